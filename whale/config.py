@@ -1,0 +1,238 @@
+"""One validated config tree for every command.
+
+Plain pydantic models with `extra="forbid"`, so a misspelt key is an error that names the key,
+not a silently ignored setting. YAML files plus `--set a.b=c` overrides (values parsed as YAML,
+so `--set weight.lr=1e-4` is a float and `--set eval.splits=[val,test]` a list).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    name: str = Field("smollm2-135m", description="'smollm2-135m' (offline default), an HF id, or a local folder")
+    backend: Literal["hf", "vllm", "openai", "null"] = "hf"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
+    api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
+    max_model_len: int = 4096
+    max_batch_size: int = Field(32, description="hf: most sequences generated together")
+    vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(20, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1, description="default per llm() call")
+    max_tokens_cap: int = Field(1024, ge=1, description="largest max_tokens a harness may ask for")
+
+
+class BudgetConfig(_Strict):
+    """Per-episode limits, enforced by the parent."""
+
+    llm_calls: int = 8
+    tool_calls: int = 16
+    tokens: int = Field(8192, description="prompt + generated tokens over all calls")
+    seconds: float = Field(60.0, description="harness wall time, excluding time queued for engine/tools")
+    invalid_moves: int = Field(3, description="chess: refused moves before the episode ends")
+
+
+class SplitSizes(_Strict):
+    weight: int = 512
+    harness: int = 64
+    val: int = 64
+    test: int = 64
+
+
+class DomainConfig(_Strict):
+    name: str = Field("searchqa", description="searchqa | math | chess, or any name with `module`")
+    module: str | None = Field(None, description="user domain: 'package.module:ClassName'")
+    source: str = Field("offline", description="offline (packaged data), or a loader name, see docs/domains.md")
+    data_path: str | None = Field(None, description="local file/folder or HF dataset id for real data")
+    corpus_path: str | None = Field(None, description="searchqa: passage corpus (jsonl/parquet) for BM25")
+    retriever_url: str | None = Field(None, description="searchqa: Search-R1 style /retrieve server")
+    grader: str = Field("default", description="searchqa: em | subspan | judge; math: math_verify; chess: line")
+    judge_model: str | None = None
+    show_gold_in_traces: bool = False
+    splits: SplitSizes = Field(default_factory=SplitSizes)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    options: dict[str, Any] = Field(default_factory=dict, description="domain-specific knobs")
+
+
+class SandboxConfig(_Strict):
+    mode: Literal["auto", "bwrap", "process"] = "auto"
+    memory_mb: int = 1024
+    max_processes: int = 16
+    cpu_seconds: int = 120
+    output_bytes: int = 1_000_000
+    extra_packages: list[str] = Field(default_factory=list, description="third-party packages harnesses may import")
+
+
+class RunnerConfig(_Strict):
+    concurrency: int = Field(32, ge=1, description="episodes in flight")
+    batch_window_ms: float = Field(20.0, ge=0, description="wait this long for more llm() calls before a flush")
+    grader_processes: int = 2
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+
+class LoraConfig(_Strict):
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+
+class WeightConfig(_Strict):
+    problems_per_step: int = Field(16, description="prompt batch (paper: 256)")
+    samples_per_problem: int = Field(4, description="k rollouts per problem (paper: 8)")
+    accept_threshold: float = 0.5
+    finetune: Literal["lora", "full"] = "lora"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    mini_batch_trajectories: int = Field(64, description="trajectories per optimizer step (paper: 64)")
+    micro_batch_tokens: int = Field(4096, description="tokens per forward/backward (gradient accumulation)")
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    max_length: int = 4096
+    keep_versions: int = Field(2, description="weights versions kept on disk besides the val-best")
+
+
+class PatienceConfig(_Strict):
+    window: int = 3
+    burn_in: int = 3
+    patience: int = 3
+
+
+class HarnessSearchConfig(_Strict):
+    proposer: Literal["mutation", "chat", "agent_cli"] = "mutation"
+    candidates_per_iteration: int = Field(3, description="M")
+    samples_per_example: int = 1
+    prompt_only: bool = False
+    agent_command: str | None = Field(None, description="agent_cli: shell command; {brief} {workspace} substituted")
+    agent_timeout_s: float = 2400
+    chat_model: str | None = None
+    chat_base_url: str | None = None
+    chat_max_turns: int = 24
+    null_probe_items: int = 64
+    null_probe_min_drop: float = Field(0.05, description="flag when score(real) - score(null) is below this")
+    reject_flagged: bool = True
+    max_file_bytes: int = 50_000
+    smoke_examples: int = 2
+    min_iterations: int = 5
+    max_iterations: int = 15
+    patience: int = 2
+
+
+class ScheduleConfig(_Strict):
+    kind: Literal["whale", "weight_only", "harness_only", "prompt_only", "stagewise"] = "whale"
+    adaptive: bool = False
+    weight_epochs: float = Field(0.6, description="E: weight-phase length in epochs of D_weight")
+    harness_iterations: int = Field(6, description="I: includes re-scoring the incoming harness")
+    weight_patience: PatienceConfig = Field(default_factory=PatienceConfig)
+    min_weight_steps: int = 1
+    budget_epochs: float | None = 4.0
+    budget_steps: int | None = None
+    budget_rollouts: int | None = None
+    end_with_weight_phase: bool = True
+
+
+class EvalConfig(_Strict):
+    k: int = 8
+    splits: list[str] = Field(default_factory=lambda: ["val", "test"])
+    every_steps: int = Field(10, description="evaluate every N weight steps (0: phase boundaries only)")
+    limit: int | None = Field(None, description="evaluate on the first N problems of each split")
+
+
+class ComputeConfig(_Strict):
+    executor: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
+
+
+class Config(_Strict):
+    name: str = "run"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    domain: DomainConfig = Field(default_factory=DomainConfig)
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    weight: WeightConfig = Field(default_factory=WeightConfig)
+    harness: HarnessSearchConfig = Field(default_factory=HarnessSearchConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (key path and what is wrong)."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        else:
+            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"override '{assignment}' must look like key.path=value")
+    path, raw = assignment.split("=", 1)
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"override '{assignment}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{assignment}': '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    for o in overrides or []:
+        apply_override(tree, o)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
