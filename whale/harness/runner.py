@@ -1,0 +1,498 @@
+"""The rollout runner: the one place where a rollout happens (training, search and evaluation).
+
+It plays many episodes of one harness at once. Each episode is a sandboxed process forked from a
+per-candidate fork server; its `llm(...)` and `env.<tool>(...)` calls arrive here over a pipe.
+The parent runs an asyncio event loop:
+
+- model calls from all live episodes are gathered and flushed to the engine as one batch when
+  every live episode is waiting on the engine, or `batch_window_ms` after the engine became free
+  (whichever is first); generation runs in a thread off the loop, so sockets keep being served;
+- tool calls run in a thread pool (retrieval, sandboxed Python), also off the loop;
+- an episode's wall-time budget counts only the time the harness itself runs, not time queued for
+  the engine or tools;
+- everything the harness sends is schema-checked; what it is graded on is what the parent
+  recorded (the `env` state), never what the harness claims;
+- grading runs in worker processes (math-verify uses signal-based timeouts).
+
+A harness that raises, hangs, exceeds a budget, exits or never submits gets reward 0 and an error
+in its trajectory; the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from whale.config import Config
+from whale.domains.base import Domain, EpisodeEnv, EpisodeError, Problem
+from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
+from whale.harness.sandbox import UIDS, SandboxHost
+from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
+
+ROLES = {"system", "user", "assistant", "tool"}
+MAX_FORGED = 50  # unparseable or off-schema messages tolerated before the episode is killed
+
+
+def derive_seed(*parts: Any) -> int:
+    """Seeds from (run, phase, step, problem, sample, call): stable across runs and batch-mates."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def sampling_from_config(cfg: Config) -> SamplingParams:
+    s = cfg.sampling
+    return SamplingParams(s.temperature, s.top_k, s.top_p, s.max_tokens, s.max_tokens_cap)
+
+
+class RequestError(ValueError):
+    """A malformed llm()/tool request from the harness; reported back to it, not fatal."""
+
+
+def parse_llm_args(args: Any, cap: int) -> GenerationRequest:
+    """Schema-check an `llm(...)` request coming from the sandbox."""
+    if not isinstance(args, dict):
+        raise RequestError("llm arguments must be an object")
+    msgs = args.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+    clean = []
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"bad message {str(m)[:80]!r}: needs role in {sorted(ROLES)}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise RequestError("message content must be a string")
+        msg = {"role": m["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if key in m:
+                msg[key] = m[key]
+        clean.append(msg)
+    max_tokens = args.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RequestError("max_tokens must be a positive int")
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, cap)
+    stop = args.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8):
+        raise RequestError("stop must be a string or a list of at most 8 non-empty strings")
+    n = args.get("n", 1)
+    if not isinstance(n, int) or not 1 <= n <= 16:
+        raise RequestError("n must be an int in 1..16")
+    choices = args.get("choices")
+    if choices is not None:
+        if (not isinstance(choices, list) or not choices or len(choices) > 512
+                or not all(isinstance(c, str) and 0 < len(c) <= 200 for c in choices)):
+            raise RequestError("choices must be a list of 1..512 non-empty strings (each <= 200 chars)")
+    tools = args.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools must be a list of OpenAI-style tool schemas (dicts)")
+    tk = args.get("template_kwargs")
+    if tk is not None and (not isinstance(tk, dict) or not all(isinstance(k, str) for k in tk)):
+        raise RequestError("template_kwargs must be a dict with string keys")
+    return GenerationRequest(messages=clean, max_tokens=max_tokens, stop=stop, n=n, choices=choices,
+                             tools=tools, template_kwargs=tk)
+
+
+def _grade_in_worker(grader: Callable, problem: Problem, answer: str | None) -> float:
+    try:
+        return float(grader(problem, answer))
+    except Exception:
+        return 0.0
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    future: asyncio.Future
+
+
+class _Batcher:
+    """Collects llm() calls from live episodes; flushes them to the engine in batches."""
+
+    def __init__(self, engine: Engine, sampling: SamplingParams, window_s: float, executor: ThreadPoolExecutor):
+        self.engine = engine
+        self.sampling = sampling
+        self.window_s = window_s
+        self.executor = executor
+        self.pending: list[_Pending] = []
+        self.live = 0  # episodes started and not finished
+        self.busy_elsewhere = 0  # live episodes waiting on a tool (they will not call the engine soon)
+        self.event = asyncio.Event()
+        self.engine_free_at = time.monotonic()
+        self.batches = 0
+        self.task = asyncio.ensure_future(self._loop())
+
+    def submit(self, request: GenerationRequest) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(request, fut))
+        self.event.set()
+        return fut
+
+    def poke(self) -> None:
+        self.event.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.event.wait()
+            self.event.clear()
+            if not self.pending:
+                continue
+            deadline = max(self.engine_free_at, time.monotonic()) + self.window_s
+            while self.pending and len(self.pending) < self.live - self.busy_elsewhere:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self.event.wait(), timeout)
+                except asyncio.TimeoutError:
+                    break
+                self.event.clear()
+            batch, self.pending = self.pending, []
+            if not batch:
+                continue
+            self.batches += 1
+            try:
+                results = await loop.run_in_executor(
+                    self.executor, self.engine.generate, [p.request for p in batch], self.sampling)
+            except Exception as exc:  # engine failure: every call of the batch fails, episodes go on
+                results = [[Generation(text=f"engine error: {exc}", finish_reason="error")] for _ in batch]
+            self.engine_free_at = time.monotonic()
+            for p, gens in zip(batch, results):
+                if not p.future.done():
+                    p.future.set_result(gens)
+            if self.pending:
+                self.event.set()
+
+
+class RolloutRunner:
+    """Runs episodes of a harness against a domain and an engine. See the module docstring."""
+
+    def __init__(self, engine: Engine, domain: Domain, cfg: Config):
+        self.engine = engine
+        self.domain = domain
+        self.cfg = cfg
+        self.sampling = sampling_from_config(cfg)
+        self.budget = cfg.domain.budget
+        self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="whale-engine")
+        self.tool_executor = ThreadPoolExecutor(8, thread_name_prefix="whale-tools")
+        grader = domain.grader() if hasattr(domain, "grader") else domain.grade
+        self._grader = grader
+        self._grade_pool: ProcessPoolExecutor | None = None
+        self._grade_lock = threading.Lock()
+        self.stats: dict[str, float] = {"batches": 0, "episodes": 0}
+
+    # ------------------------------------------------------------------ public API
+    def run(self, harness_source: str, problems: list[Problem], samples: int = 1, *, harness_id: str = "h0",
+            seed: int = 0, purpose: str = "eval", progress: str | None = None,
+            on_episode: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Play `samples` episodes per problem; return graded trajectories in problem order."""
+        if not problems or samples < 1:
+            return []
+        return asyncio.run(self._run(harness_source, problems, samples, harness_id, seed, purpose,
+                                     progress, on_episode))
+
+    def close(self) -> None:
+        self.gen_executor.shutdown(wait=False)
+        self.tool_executor.shutdown(wait=False)
+        if self._grade_pool is not None:
+            self._grade_pool.shutdown(wait=False, cancel_futures=True)
+            self._grade_pool = None
+
+    # ------------------------------------------------------------------ internals
+    def _pool(self) -> ProcessPoolExecutor:
+        with self._grade_lock:
+            if self._grade_pool is None:
+                self._grade_pool = ProcessPoolExecutor(
+                    max(1, self.cfg.runner.grader_processes), mp_context=multiprocessing.get_context("spawn"))
+            return self._grade_pool
+
+    async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
+        host = SandboxHost(source, self.cfg.runner.sandbox, self.cfg.runner.concurrency)
+        await host.start()
+        batcher = _Batcher(self.engine, self.sampling, self.cfg.runner.batch_window_ms / 1000,
+                           self.gen_executor)
+        sem = asyncio.Semaphore(self.cfg.runner.concurrency)
+        jobs = [(i, p, s) for i, p in enumerate(problems) for s in range(samples)]
+        results: list[Trajectory | None] = [None] * len(jobs)
+        bar = _Progress(progress, len(jobs))
+
+        async def one(j, idx, problem, sample):
+            async with sem:
+                traj = await self._episode(host, batcher, problem, sample, harness_id, seed, purpose, idx)
+            results[j] = traj
+            bar.advance(traj.reward)
+            if on_episode is not None:
+                on_episode(traj)
+
+        try:
+            await asyncio.gather(*(one(j, *job) for j, job in enumerate(jobs)))
+        finally:
+            batcher.task.cancel()
+            await host.close()
+            bar.close()
+        self.stats["batches"] += batcher.batches
+        self.stats["episodes"] += len(jobs)
+        return results  # type: ignore[return-value]
+
+    async def _episode(self, host: SandboxHost, batcher: _Batcher, problem: Problem, sample: int,
+                       harness_id: str, seed: int, purpose: str, index: int) -> Trajectory:
+        traj = Trajectory(problem_id=problem.id, sample=sample, harness_id=harness_id, source=problem.source,
+                          question=problem.question, weights_version=self.engine.weights_version)
+        if host.init_error:
+            traj.error = f"harness failed to load: {host.init_error}"
+            return traj
+        env = self.domain.make_env(problem)
+        episode = f"{purpose}-{index}-{sample}"
+        uid = UIDS.take()
+        batcher.live += 1
+        writer = None
+        started = time.monotonic()
+        try:
+            reader, writer = await host.spawn(episode, uid, derive_seed(seed, problem.id, sample, "py"),
+                                              env.public_state(), sorted(set(env.tools) | {"submit"}))
+            traj.error = await self._serve(env, traj, reader, writer, batcher, host, episode,
+                                           seed, problem, sample, started)
+        except Exception as exc:  # noqa: BLE001 - a runner bug must not kill the other episodes
+            traj.error = f"runner error: {type(exc).__name__}: {exc}"
+        finally:
+            batcher.live -= 1
+            batcher.poke()
+            host.kill(episode)
+            if writer is not None:
+                writer.close()
+            try:
+                await asyncio.wait_for(asyncio.shield(host.exit_future(episode)), 5)
+            except (asyncio.TimeoutError, KeyError):
+                pass
+            UIDS.give(uid)
+            env.close()
+        traj.answer = env.final_answer()
+        traj.seconds = round(traj.seconds, 3)
+        if traj.error is None and traj.answer is not None:
+            traj.reward = await self._grade(problem, traj)
+        elif traj.error is None:
+            traj.error = "harness never submitted an answer"
+        return traj
+
+    async def _grade(self, problem: Problem, traj: Trajectory) -> float:
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            try:
+                return await loop.run_in_executor(self._pool(), _grade_in_worker, self._grader, problem, traj.answer)
+            except Exception as exc:  # BrokenProcessPool (a grader crashed its process), pickling errors
+                with self._grade_lock:
+                    if self._grade_pool is not None:
+                        self._grade_pool.shutdown(wait=False, cancel_futures=True)
+                        self._grade_pool = None
+                if attempt == 1:
+                    traj.error = f"grading failed: {type(exc).__name__}: {exc}"
+        return 0.0
+
+    async def _serve(self, env: EpisodeEnv, traj: Trajectory, reader, writer, batcher: _Batcher,
+                     host: SandboxHost, episode: str, seed: int, problem: Problem, sample: int,
+                     started: float) -> str | None:
+        """Answer the episode's requests until it finishes; return its error (None if clean)."""
+        budget = self.budget
+        llm_calls = tool_calls = tokens = forged = 0
+        exit_fut = host.exit_future(episode)
+
+        async def reply(msg: dict) -> None:
+            writer.write(json.dumps(msg).encode() + b"\n")
+            await writer.drain()
+
+        while True:
+            remaining = budget.seconds - traj.seconds
+            if remaining <= 0:
+                return f"wall-time limit exceeded ({budget.seconds:g} s of harness time)"
+            t0 = time.monotonic()
+            read = asyncio.ensure_future(reader.readline())
+            done, _ = await asyncio.wait({read, exit_fut}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            traj.seconds += time.monotonic() - t0
+            if read not in done:
+                if exit_fut in done and not read.done():
+                    # the process is gone; give buffered output a moment to drain
+                    try:
+                        await asyncio.wait_for(read, 0.5)
+                    except (asyncio.TimeoutError, ValueError, ConnectionError):
+                        pass
+                if not read.done():
+                    read.cancel()
+                    if exit_fut.done():
+                        return _exit_reason(exit_fut.result())
+                    return f"wall-time limit exceeded ({budget.seconds:g} s of harness time)"
+            try:
+                line = read.result()
+            except (ValueError, asyncio.LimitOverrunError):
+                return "harness sent an oversized message (> 2 MiB line)"
+            except ConnectionError:
+                line = b""
+            if not line:
+                status = await _wait_exit(exit_fut)
+                return _exit_reason(status)
+            try:
+                msg = json.loads(line)
+                if not isinstance(msg, dict):
+                    raise ValueError
+            except ValueError:
+                forged += 1
+                if forged > MAX_FORGED:
+                    return "harness flooded the RPC pipe with malformed messages"
+                continue
+            op = msg.get("op")
+            if op == "done":
+                err = msg.get("error")
+                traj.stdout_tail = str(msg.get("stdout", ""))[-2000:]
+                return None if err is None else f"harness raised:\n{str(err)[-3000:]}"
+            mid = msg.get("id")
+            if not isinstance(mid, int):
+                forged += 1
+                if forged > MAX_FORGED:
+                    return "harness flooded the RPC pipe with malformed messages"
+                continue
+            if op == "llm":
+                if llm_calls >= budget.llm_calls:
+                    await reply({"id": mid, "error": f"budget exceeded: more than {budget.llm_calls} llm calls", "fatal": True})
+                    return f"budget exceeded: more than {budget.llm_calls} llm calls"
+                try:
+                    req = parse_llm_args(msg.get("args"), self.sampling.max_tokens_cap)
+                except RequestError as e:
+                    await reply({"id": mid, "error": str(e), "fatal": False})
+                    continue
+                req.seed = derive_seed(seed, problem.id, sample, llm_calls)
+                llm_calls += 1
+                gens = await batcher.submit(req)
+                outs = []
+                for i, g in enumerate(gens):
+                    tokens += g.prompt_tokens + g.completion_tokens
+                    traj.prompt_tokens += g.prompt_tokens
+                    traj.completion_tokens += g.completion_tokens
+                    prefill = req.messages[-1]["content"] if req.messages[-1]["role"] == "assistant" else None
+                    traj.calls.append(LLMCall(
+                        messages=req.messages, completion=g.text, finish_reason=g.finish_reason,
+                        prompt_ids=list(g.prompt_ids), completion_ids=list(g.completion_ids),
+                        weights_version=g.weights_version, prefill=prefill, choices=req.choices,
+                        tools=req.tools, tool_calls=g.tool_calls, template_kwargs=req.template_kwargs,
+                        sample_index=i))
+                    outs.append({"text": g.text, "finish_reason": g.finish_reason, "tool_calls": g.tool_calls,
+                                 "usage": g.usage()})
+                if tokens > budget.tokens:
+                    await reply({"id": mid, "error": f"budget exceeded: {tokens} tokens > {budget.tokens}", "fatal": True})
+                    return f"budget exceeded: {tokens} tokens > {budget.tokens}"
+                if any(g.finish_reason == "error" for g in gens):
+                    await reply({"id": mid, "error": f"engine error: {gens[0].text[:300]}", "fatal": False})
+                    continue
+                await reply({"id": mid, "ok": outs})
+            elif op == "tool":
+                name = msg.get("name")
+                args, kwargs = msg.get("args", []), msg.get("kwargs", {})
+                if name not in env.tools and name != "submit":
+                    await reply({"id": mid, "error": f"env has no tool {name!r}", "fatal": False})
+                    continue
+                if not isinstance(args, list) or not isinstance(kwargs, dict):
+                    await reply({"id": mid, "error": "tool args must be a list and kwargs an object", "fatal": False})
+                    continue
+                if name != "submit":
+                    if tool_calls >= budget.tool_calls:
+                        await reply({"id": mid, "error": f"budget exceeded: more than {budget.tool_calls} tool calls", "fatal": True})
+                        return f"budget exceeded: more than {budget.tool_calls} tool calls"
+                    tool_calls += 1
+                batcher.busy_elsewhere += 1
+                t1 = time.monotonic()
+                try:
+                    result = await asyncio.get_running_loop().run_in_executor(
+                        self.tool_executor, _call_tool, env, name, args, kwargs)
+                    error = None
+                except EpisodeError as e:
+                    result, error = None, str(e)
+                except TypeError as e:
+                    result, error = None, f"bad arguments for env.{name}: {e}"
+                except Exception as e:  # noqa: BLE001 - a tool bug is the episode's error, not the run's
+                    result, error = None, f"env.{name} failed: {type(e).__name__}: {e}"
+                finally:
+                    batcher.busy_elsewhere -= 1
+                    batcher.poke()
+                traj.tool_calls.append(ToolCall(name=name, args=args, kwargs=kwargs, result=_clip(result),
+                                                error=error, seconds=round(time.monotonic() - t1, 4)))
+                if error is not None:
+                    await reply({"id": mid, "error": error, "fatal": False, "state": env.public_state()})
+                    if getattr(env, "fatal_error", None):
+                        return env.fatal_error
+                else:
+                    await reply({"id": mid, "ok": result, "state": env.public_state()})
+            else:
+                forged += 1
+                if forged > MAX_FORGED:
+                    return "harness flooded the RPC pipe with malformed messages"
+
+
+def _call_tool(env: EpisodeEnv, name: str, args: list, kwargs: dict):
+    result = getattr(env, name)(*args, **kwargs)
+    json.dumps(result)  # must be JSON-serialisable to cross the pipe
+    return result
+
+
+def _clip(value: Any, limit: int = 4000) -> Any:
+    text = json.dumps(value)
+    return value if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
+async def _wait_exit(fut: asyncio.Future) -> int | None:
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), 2)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _exit_reason(status: int | None) -> str:
+    import os
+    import signal
+
+    if status is None:
+        return "harness process closed its channel without finishing"
+    if status == -1:
+        return "sandbox died"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
+        return f"harness process killed by {name}{hint}"
+    return f"harness process exited with code {os.WEXITSTATUS(status)} before finishing"
+
+
+class _Progress:
+    """A rich progress bar (or nothing when label is None)."""
+
+    def __init__(self, label: str | None, total: int):
+        self.bar = None
+        self.rewards = 0.0
+        self.n = 0
+        if label:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("mean reward {task.fields[mean]:.3f}"), TimeElapsedColumn(),
+                                transient=False)
+            self.task = self.bar.add_task(label, total=total, mean=0.0)
+            self.bar.start()
+
+    def advance(self, reward: float) -> None:
+        self.n += 1
+        self.rewards += reward
+        if self.bar:
+            self.bar.update(self.task, advance=1, mean=self.rewards / self.n)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()

@@ -1,0 +1,431 @@
+"""Where harness code runs: a bubblewrap sandbox (or a weaker fallback), limits, the fork server.
+
+Layers, strongest first (docs/sandbox.md says exactly what each guarantees):
+1. bubblewrap (`mode: bwrap`, the default when `bwrap` works): new network, PID, IPC and UTS
+   namespaces; a read-only file system that holds only the interpreter, its standard library
+   (site-packages hidden by an empty tmpfs), system libraries under /usr, an allowlist of
+   third-party packages and the worker script; a private /tmp; a cleared environment.
+2. cgroups (v1 or v2, when writable): one per sandbox, capping memory and process count of all its
+   episodes together, so a fork or memory bomb cannot take the machine.
+3. inside, each episode forks from the fork server, drops to a uid of its own (when we are root),
+   sets no_new_privs and rlimits (address space, CPU seconds, file size, processes, open files).
+Without bubblewrap (`mode: process`) only 2-3 hold: the harness can read what the uid it runs as
+may read and can open network connections. A one-line warning says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+
+from whale.config import SandboxConfig
+
+WORKER = Path(__file__).with_name("sandbox_worker.py")
+SANDBOX_WORKER_PATH = "/opt/whale/worker.py"
+SANDBOX_SITE = "/opt/whale/site"
+UID_BASE = 61000
+UID_COUNT = 2000
+
+
+# ---------------------------------------------------------------- uids, one per live episode
+class _UidPool:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.free = list(range(UID_BASE, UID_BASE + UID_COUNT))
+
+    def take(self) -> int | None:
+        if os.getuid() != 0:
+            return None  # unprivileged already: rlimits bind, nothing to drop to
+        with self.lock:
+            return self.free.pop(0) if self.free else None
+
+    def give(self, uid: int | None) -> None:
+        if uid is not None:
+            with self.lock:
+                self.free.append(uid)
+
+
+UIDS = _UidPool()
+
+
+# ---------------------------------------------------------------- cgroups
+class Cgroup:
+    """A cgroup (v1 memory+pids, or v2) for one sandbox; `None` from `create` when not writable."""
+
+    _counter = itertools.count()
+
+    def __init__(self, dirs: list[Path]):
+        self.dirs = dirs
+
+    @classmethod
+    def create(cls, memory_bytes: int, pids_max: int) -> "Cgroup | None":
+        name = f"whale-{os.getpid()}-{next(cls._counter)}"
+        v1 = [Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/pids")]
+        v2 = Path("/sys/fs/cgroup")
+        try:
+            if all((d / "cgroup.procs").exists() for d in v1):
+                dirs = [d / name for d in v1]
+                for d in dirs:
+                    d.mkdir()
+                (dirs[0] / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                (dirs[1] / "pids.max").write_text(str(pids_max))
+                return cls(dirs)
+            if (v2 / "cgroup.subtree_control").exists():
+                controllers = (v2 / "cgroup.subtree_control").read_text().split()
+                if "memory" in controllers and "pids" in controllers:
+                    d = v2 / name
+                    d.mkdir()
+                    (d / "memory.max").write_text(str(memory_bytes))
+                    (d / "pids.max").write_text(str(pids_max))
+                    return cls([d])
+        except OSError:
+            return None
+        return None
+
+    def add_self(self) -> None:
+        """Called in the child before exec (preexec_fn): join every controller."""
+        for d in self.dirs:
+            with open(d / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    # processes may still be exiting; kill stragglers then retry
+                    try:
+                        for pid in (d / "cgroup.procs").read_text().split():
+                            os.kill(int(pid), 9)
+                    except OSError:
+                        pass
+                    threading.Event().wait(0.02)
+
+
+# ---------------------------------------------------------------- command lines
+_BWRAP_OK: bool | None = None
+_WARNED = False
+
+
+def bwrap_available() -> bool:
+    global _BWRAP_OK
+    if _BWRAP_OK is None:
+        exe = shutil.which("bwrap")
+        _BWRAP_OK = False
+        if exe:
+            try:
+                cmd = _bwrap_prefix([]) + [_python(), "-I", "-S", "-c", "print(1)"]
+                out = subprocess.run(cmd, capture_output=True, timeout=20)
+                _BWRAP_OK = out.returncode == 0 and out.stdout.strip() == b"1"
+            except (OSError, subprocess.TimeoutExpired):
+                _BWRAP_OK = False
+    return _BWRAP_OK
+
+
+def resolve_mode(mode: str) -> str:
+    global _WARNED
+    if mode == "process":
+        return "process"
+    if bwrap_available():
+        return "bwrap"
+    if mode == "bwrap":
+        raise RuntimeError("sandbox.mode is 'bwrap' but bubblewrap does not work here (apt-get install bubblewrap)")
+    if not _WARNED:
+        warnings.warn(
+            "bubblewrap not available: harnesses run as plain subprocesses with rlimits and a scrubbed "
+            "environment; this is NOT a security boundary (no filesystem or network isolation).",
+            stacklevel=2,
+        )
+        _WARNED = True
+    return "process"
+
+
+def _python() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def _stdlib_dirs() -> list[str]:
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix}
+    paths = sysconfig.get_paths(vars=base)
+    return sorted({paths["stdlib"], paths["platstdlib"]})
+
+
+def _package_dir(name: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise ValueError(f"sandbox.extra_packages: package '{name}' is not installed")
+    if spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    return spec.origin
+
+
+def _bwrap_prefix(extra_packages: list[str]) -> list[str]:
+    cmd = ["bwrap", "--die-with-parent", "--new-session", "--clearenv",
+           "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.getuid() != 0:
+        cmd.append("--unshare-user")
+    cmd += ["--ro-bind", "/usr", "/usr"]
+    for link in ("/bin", "/lib", "/lib64", "/sbin"):
+        if os.path.islink(link):
+            cmd += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            cmd += ["--ro-bind", link, link]
+    if os.path.exists("/etc/ld.so.cache"):
+        cmd += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    python = _python()
+    if not python.startswith("/usr/"):
+        cmd += ["--ro-bind", python, python]
+        libdir = os.path.join(sys.base_prefix, "lib")
+        if os.path.isdir(libdir) and not libdir.startswith("/usr/"):
+            for entry in os.listdir(libdir):
+                if entry.startswith("libpython"):
+                    p = os.path.join(libdir, entry)
+                    cmd += ["--ro-bind", p, p]
+    for d in _stdlib_dirs():
+        if not d.startswith("/usr/"):
+            cmd += ["--ro-bind", d, d]
+        for sub in ("site-packages", "dist-packages"):
+            if os.path.isdir(os.path.join(d, sub)):
+                cmd += ["--tmpfs", os.path.join(d, sub)]
+    for d in ("/usr/lib/python3/dist-packages", "/usr/local/lib"):
+        if os.path.isdir(d):
+            cmd += ["--tmpfs", d]
+    for name in extra_packages:
+        src = _package_dir(name)
+        cmd += ["--ro-bind", src, f"{SANDBOX_SITE}/{os.path.basename(src)}"]
+    cmd += ["--ro-bind", str(WORKER), SANDBOX_WORKER_PATH,
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--chdir", "/tmp",
+            "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"]
+    return cmd
+
+
+def worker_command(mode: str, cfg: SandboxConfig, args: list[str]) -> tuple[list[str], dict[str, str], str | None]:
+    """argv, environment and cwd for a worker process in `mode`."""
+    if mode == "bwrap":
+        return _bwrap_prefix(cfg.extra_packages) + [_python(), "-I", "-S", "-B", SANDBOX_WORKER_PATH, *args], {}, None
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+    return [_python(), "-I", "-S", "-B", str(WORKER), *args], env, None
+
+
+def _extra_paths(mode: str, cfg: SandboxConfig) -> list[str]:
+    if mode == "bwrap":
+        return [SANDBOX_SITE] if cfg.extra_packages else []
+    return sorted({os.path.dirname(_package_dir(n)) for n in cfg.extra_packages})
+
+
+def _limits(cfg: SandboxConfig) -> dict[str, int]:
+    return {"memory_mb": cfg.memory_mb, "cpu_seconds": cfg.cpu_seconds,
+            "max_processes": cfg.max_processes, "file_bytes": 16 * 1024 * 1024}
+
+
+# ---------------------------------------------------------------- the fork server host
+class SandboxHost:
+    """One sandbox (one fork server) per harness candidate; spawns episodes in it.
+
+    Async: used from the rollout runner's event loop. `spawn` returns the parent's end of the
+    episode's socket as asyncio streams.
+    """
+
+    def __init__(self, source: str, cfg: SandboxConfig, concurrency: int):
+        self.source = source
+        self.cfg = cfg
+        self.mode = resolve_mode(cfg.mode)
+        self.concurrency = concurrency
+        self.proc: subprocess.Popen | None = None
+        self.cgroup: Cgroup | None = None
+        self.exits: dict[str, asyncio.Future] = {}
+        self.spawned: dict[str, asyncio.Future] = {}
+        self.init_error: str | None = None
+        self._ready: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv, env, cwd = worker_command(self.mode, self.cfg, ["--control-fd", str(child_sock.fileno())])
+        slots = self.concurrency + 2
+        self.cgroup = Cgroup.create(self.cfg.memory_mb * 1024 * 1024 * min(slots, 8),
+                                    self.cfg.max_processes * slots + 8)
+        cg = self.cgroup
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=cg.add_self if cg else None,
+        )
+        child_sock.close()
+        self.sock = parent_sock
+        self.sock.setblocking(False)
+        self._ready = loop.create_future()
+        self._reader_task = asyncio.ensure_future(self._read_control())
+        self._send({"op": "init", "source": self.source, "extra_paths": _extra_paths(self.mode, self.cfg)})
+        try:
+            await asyncio.wait_for(self._ready, timeout=60)
+        except asyncio.TimeoutError:
+            self.init_error = "sandbox did not start within 60 s"
+
+    def _send(self, msg: dict, fds: list[int] | None = None) -> None:
+        data = json.dumps(msg).encode() + b"\n"
+        self.sock.setblocking(True)
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.sendall(data)
+        finally:
+            self.sock.setblocking(False)
+
+    async def _read_control(self) -> None:
+        loop = asyncio.get_running_loop()
+        buf = b""
+        while True:
+            try:
+                data = await loop.sock_recv(self.sock, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                op = msg.get("op")
+                if op == "ready" and not self._ready.done():
+                    self._ready.set_result(True)
+                elif op == "init_error" and not self._ready.done():
+                    self.init_error = msg.get("error", "harness failed to compile")
+                    self._ready.set_result(False)
+                elif op == "spawned":
+                    fut = self.spawned.pop(msg["episode"], None)
+                    if fut and not fut.done():
+                        fut.set_result(msg["pid"])
+                elif op == "exit":
+                    fut = self.exits.get(msg["episode"])
+                    if fut and not fut.done():
+                        fut.set_result(msg["status"])
+        # fork server gone: fail everything still waiting
+        stderr = ""
+        if self.proc and self.proc.stderr:
+            try:
+                stderr = self.proc.stderr.read(2000).decode(errors="replace")
+            except Exception:
+                pass
+        reason = f"sandbox exited: {stderr.strip()[-500:]}" if stderr.strip() else "sandbox exited"
+        if not self._ready.done():
+            self.init_error = reason
+            self._ready.set_result(False)
+        for fut in list(self.spawned.values()) + list(self.exits.values()):
+            if not fut.done():
+                fut.set_result(-1)
+
+    async def spawn(self, episode: str, uid: int | None, seed: int, state: dict, tools: list[str]):
+        loop = asyncio.get_running_loop()
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.exits[episode] = loop.create_future()
+        self.spawned[episode] = loop.create_future()
+        msg = {"op": "spawn", "episode": episode, "uid": uid, "seed": seed, "state": state,
+               "tools": tools, "limits": _limits(self.cfg)}
+        self._send(msg, [child_end.fileno()])
+        child_end.close()
+        await self.spawned[episode]
+        reader, writer = await asyncio.open_unix_connection(sock=parent_end, limit=2 * 1024 * 1024)
+        return reader, writer
+
+    def kill(self, episode: str) -> None:
+        try:
+            self._send({"op": "kill", "episode": episode})
+        except OSError:
+            pass
+
+    def exit_future(self, episode: str) -> asyncio.Future:
+        return self.exits[episode]
+
+    async def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except OSError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
+        if getattr(self, "_reader_task", None):
+            self._reader_task.cancel()
+        if self.cgroup:
+            self.cgroup.remove()
+
+
+# ---------------------------------------------------------------- one-shot code execution (tools)
+def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 512, output_chars: int = 4000,
+               mode: str = "auto") -> str:
+    """Run a Python snippet in a fresh sandboxed process; return its output. Never raises."""
+    try:
+        actual = resolve_mode(mode)
+    except RuntimeError as e:
+        return f"SandboxError: {e}"
+    cfg = SandboxConfig(mode=actual, memory_mb=memory_mb, max_processes=8, cpu_seconds=int(timeout_s) + 1)
+    uid = UIDS.take()
+    limits = json.dumps(_limits(cfg))
+    argv, env, cwd = worker_command(actual, cfg, ["--snippet", limits, "none" if uid is None else str(uid)])
+    cgroup = Cgroup.create(memory_mb * 1024 * 1024, 16)
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=cgroup.add_self if cgroup else None)
+    except OSError as e:
+        UIDS.give(uid)
+        return f"SandboxError: {e}"
+    chunks: list[bytes] = []
+    size = 0
+
+    def pump():
+        nonlocal size
+        while True:
+            data = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(65536)
+            if not data:
+                return
+            if size < output_chars * 4:
+                chunks.append(data)
+            size += len(data)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.stdin.write(code.encode())
+        proc.stdin.close()
+    except OSError:
+        pass
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    try:
+        os.killpg(proc.pid, 9)
+    except OSError:
+        pass
+    proc.wait()
+    reader.join(timeout=2)
+    if cgroup:
+        cgroup.remove()
+    UIDS.give(uid)
+    out = b"".join(chunks).decode(errors="replace")
+    if len(out) > output_chars:
+        out = out[:output_chars] + "\n...[output truncated]"
+    if timed_out:
+        return (out + f"\nTimeoutError: code ran longer than {timeout_s:g} s").strip()
+    return out
