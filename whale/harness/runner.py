@@ -255,7 +255,7 @@ class RolloutRunner:
             return traj
         env = self.domain.make_env(problem)
         episode = f"{purpose}-{index}-{sample}"
-        uid = UIDS.take()
+        uid = UIDS.take() if host.can_drop_privileges else None
         batcher.live += 1
         writer = None
         started = time.monotonic()

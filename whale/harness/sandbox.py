@@ -162,6 +162,23 @@ def _stdlib_dirs() -> list[str]:
     return sorted({paths["stdlib"], paths["platstdlib"]})
 
 
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def world_readable_stdlib() -> bool:
+    """Whether an unprivileged uid can import the stdlib in place (matters without bubblewrap)."""
+    for d in _stdlib_dirs():
+        for a in [*_ancestors(d), d]:
+            try:
+                if not os.stat(a).st_mode & 0o001:
+                    return False
+            except OSError:
+                return False
+    return True
+
+
 def _package_dir(name: str) -> str:
     import importlib.util
 
@@ -187,6 +204,13 @@ def _bwrap_prefix(extra_packages: list[str]) -> list[str]:
     if os.path.exists("/etc/ld.so.cache"):
         cmd += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     python = _python()
+    # bwrap creates missing parents of bind targets as root-only dirs; pre-create them world-
+    # traversable, or the harness (running as an unprivileged uid) cannot import the stdlib
+    targets = [python, os.path.join(sys.base_prefix, "lib"), *_stdlib_dirs()]
+    ancestors = sorted({a for t in targets if not t.startswith("/usr/") for a in _ancestors(t)},
+                       key=lambda a: a.count("/"))
+    for a in ancestors:
+        cmd += ["--perms", "0755", "--dir", a]
     if not python.startswith("/usr/"):
         cmd += ["--ro-bind", python, python]
         libdir = os.path.join(sys.base_prefix, "lib")
@@ -250,6 +274,8 @@ class SandboxHost:
         self.exits: dict[str, asyncio.Future] = {}
         self.spawned: dict[str, asyncio.Future] = {}
         self.init_error: str | None = None
+        # without bubblewrap an unprivileged uid may not reach the stdlib (e.g. under /root)
+        self.can_drop_privileges = self.mode == "bwrap" or world_readable_stdlib()
         self._ready: asyncio.Future | None = None
 
     async def start(self) -> None:
@@ -378,7 +404,7 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 512, output_
     except RuntimeError as e:
         return f"SandboxError: {e}"
     cfg = SandboxConfig(mode=actual, memory_mb=memory_mb, max_processes=8, cpu_seconds=int(timeout_s) + 1)
-    uid = UIDS.take()
+    uid = UIDS.take() if actual == "bwrap" or world_readable_stdlib() else None
     limits = json.dumps(_limits(cfg))
     argv, env, cwd = worker_command(actual, cfg, ["--snippet", limits, "none" if uid is None else str(uid)])
     cgroup = Cgroup.create(memory_mb * 1024 * 1024, 16)
