@@ -1,0 +1,47 @@
+"""Tasks: search QA, math and chess, plus any user domain named in the config.
+
+`load_domain(cfg)` is the one entry point; `domain.module: "pkg.mod:Class"` loads your own class
+(it must follow `whale.domains.base.Domain`; see examples/custom_domain.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from whale.config import Config, ConfigError
+from whale.domains.base import SPLITS, Domain, EpisodeEnv, EpisodeError, Problem
+
+__all__ = ["SPLITS", "Domain", "EpisodeEnv", "EpisodeError", "Problem", "load_domain", "DOMAIN_NAMES"]
+
+DOMAIN_NAMES = ("searchqa", "math", "chess")
+
+
+def load_domain(cfg: Config) -> Domain:
+    if cfg.domain.module:
+        mod_name, _, cls_name = cfg.domain.module.partition(":")
+        if not cls_name:
+            raise ConfigError(f"domain.module must look like 'package.module:ClassName', got {cfg.domain.module!r}")
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"domain.module {cfg.domain.module!r} could not be loaded: {e}") from None
+        domain = cls(cfg)
+    elif cfg.domain.name == "searchqa":
+        from whale.domains.searchqa import SearchQADomain
+
+        domain = SearchQADomain(cfg)
+    elif cfg.domain.name == "math":
+        from whale.domains.math import MathDomain
+
+        domain = MathDomain(cfg)
+    elif cfg.domain.name == "chess":
+        from whale.domains.chess import ChessDomain
+
+        domain = ChessDomain(cfg)
+    else:
+        raise ConfigError(f"unknown domain '{cfg.domain.name}': choose one of {', '.join(DOMAIN_NAMES)} "
+                          "or set domain.module")
+    missing = [m for m in ("load_splits", "make_env", "grade", "base_harness") if not callable(getattr(domain, m, None))]
+    if missing:
+        raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain)")
+    return domain

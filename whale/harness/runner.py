@@ -192,6 +192,8 @@ class RolloutRunner:
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
         self.stats: dict[str, float] = {"batches": 0, "episodes": 0}
+        # called with every finished trajectory of every run (the run directory's in-flight journal)
+        self.journal: Callable[[Trajectory], None] | None = None
 
     # ------------------------------------------------------------------ public API
     def run(self, harness_source: str, problems: list[Problem], samples: int = 1, *, harness_id: str = "h0",
@@ -235,6 +237,8 @@ class RolloutRunner:
             bar.advance(traj.reward)
             if on_episode is not None:
                 on_episode(traj)
+            if self.journal is not None:
+                self.journal(traj)
 
         try:
             await asyncio.gather(*(one(j, *job) for j, job in enumerate(jobs)))

@@ -308,7 +308,10 @@ def snippet(limits_json, uid):
     """One-shot mode for tools such as math's env.python: run code from stdin, print to stdout."""
     spec = json.loads(limits_json)
     code = sys.stdin.read()
-    os.setsid()
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader (started with start_new_session)
     _set_limits(spec)
     _drop_privileges(None if uid == "none" else int(uid))
     namespace = {"__name__": "__main__"}

@@ -198,16 +198,16 @@ def parse_currency(text: str | None) -> dict[str, Any] | None:
     return {"name": name, "codes": codes, "aliases": _aliases(name, plural, *extra, *codes)}
 
 
-def parse_highest_point(text: str | None) -> list[str] | None:
+def parse_highest_point(text: str | None, country: str = "") -> list[str] | None:
     """"Sapitwa (Mount Mlanje) 3,002 m" -> ["Sapitwa", "Mount Mlanje"]; unnamed or annotated -> None."""
     if not text or ";" in text or "unnamed" in text.lower():
         return None
     m = re.fullmatch(r"([^()\d]+?)(?:\s*\(([^()]*)\))?\s+[\d,.]+(?:\s*m)?(?:\s*\([a-z][^()]*\))?", text)
-    if not m or not _is_proper_name(m.group(1)) or not m.group(1)[0].isupper():
+    if not m or "," in m.group(1) or not _is_proper_name(m.group(1)) or not m.group(1)[0].isupper():
         return None
     names = [m.group(1).strip()]
-    alt = (m.group(2) or "").strip()
-    if alt and _is_proper_name(alt) and alt[0].isupper():
+    alt = (m.group(2) or "").strip()  # an alternative name, unless it names the place ("(South Georgia)")
+    if alt and _is_proper_name(alt) and alt[0].isupper() and alt.lower() not in country.lower():
         names.append(alt)
     for name in list(names):  # "Mt. Fogo" and "Mount Fogo" name the same peak
         if name.startswith("Mount "):
@@ -249,7 +249,7 @@ def build_questions() -> tuple[Problem, ...]:
             "code": code, "country": name,
             "capital": parse_capital(_field(data, "Government", "Capital", "name")),
             "currency": parse_currency(_field(data, "Economy", "Exchange rates", "Currency")),
-            "highest": parse_highest_point(_field(data, "Geography", "Elevation", "highest point")),
+            "highest": parse_highest_point(_field(data, "Geography", "Elevation", "highest point"), name),
             "anthem": parse_anthem(_field(data, "Government", "National anthem(s)", "title")),
         })
     cur_count: dict[str, int] = {}

@@ -1,0 +1,199 @@
+"""Throughput of one RSFT weight update: whale's Trainer vs a plain PyTorch + peft loop.
+
+Both variants train the same LoRA (all-linear, same r/alpha) on the same synthetic rows with the
+same mini-batch (one optimizer step per `mini_batch_trajectories`) and the same micro-batches
+(packed by padded token count). The only differences are what whale's Trainer adds: chunked
+cross-entropy over loss positions only (the plain loop materialises full fp32 logits) and its
+bookkeeping. Each variant runs in its own subprocess so that peak RSS is its own.
+
+    python benchmarks/rsft_step.py            # SmolLM2-135M from ~/.cache/whale/models if present
+    python benchmarks/rsft_step.py --tiny     # the tiny test model (seconds)
+
+Prints tokens/s (input tokens through forward+backward), the ratio trainer/plain (target >= 0.9)
+and peak memory (process max RSS; on CUDA also torch's peak allocated memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path.home() / ".cache" / "whale" / "models" / "smollm2-135m-instruct"
+WORDS = ("the capital of france is paris what is two plus three answer search query result "
+         "move knight bishop checkmate python code print value list sum question because therefore").split()
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def make_rows(tok, n_rows: int, tokens: int, seed: int = 0):
+    """Chat-templated prompts (~2/3 of the row) and completions ending in EOS (~1/3), lengths ±30%."""
+    from whale.weights.rows import TrainingRow
+
+    g = random.Random(seed)
+    rows = []
+    for i in range(n_rows):
+        target = int(tokens * g.uniform(0.7, 1.3))
+        text = " ".join(g.choice(WORDS) for _ in range(target))
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)[: (2 * target) // 3]
+        answer = tok.encode(" ".join(g.choice(WORDS) for _ in range(target)), add_special_tokens=False)
+        completion = answer[: target - len(prompt) - 1] + [tok.eos_token_id]
+        rows.append(TrainingRow(prompt + completion, [0] * len(prompt) + [1] * len(completion), f"t{i}"))
+    return rows
+
+
+def plain_step(model, params, optimizer, rows, cfg, pad_id, device):
+    """The textbook loop: full logits, CE with ignore_index, token mean over the mini-batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from whale.weights.trainer import pack_micro_batches
+
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r.trajectory_key, []).append(r)
+    keys = list(groups)
+    m = cfg.mini_batch_trajectories
+    model.train()
+    tokens = 0
+    for i in range(0, len(keys), m):
+        batch = [r for k in keys[i:i + m] for r in groups[k]]
+        n_loss = sum(sum(r.loss_mask[1:]) for r in batch)
+        for micro in pack_micro_batches(batch, cfg.micro_batch_tokens):
+            width = max(len(r.input_ids) for r in micro)
+            ids = torch.full((len(micro), width), pad_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            labels = torch.full_like(ids, -100)
+            for j, r in enumerate(micro):
+                n = len(r.input_ids)
+                ids[j, :n] = torch.tensor(r.input_ids)
+                attn[j, :n] = 1
+                labels[j, :n] = torch.tensor([t if mk else -100 for t, mk in zip(r.input_ids, r.loss_mask)])
+            ids, attn, labels = ids.to(device), attn.to(device), labels.to(device)
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+            (loss / n_loss).backward()
+            tokens += int(attn.sum())
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return tokens
+
+
+def run_variant(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whale.config import WeightConfig
+    from whale.weights.trainer import Trainer
+
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    cfg = WeightConfig(micro_batch_tokens=args.micro_batch_tokens, mini_batch_trajectories=64)
+    rows = make_rows(tok, args.rows, args.tokens)
+    warm = rows[: max(2, len(rows) // 16)]
+    if args.variant == "trainer":
+        trainer = Trainer(model, tok, cfg)
+        step = lambda rs: trainer.train_step(rs)["input_tokens"]  # noqa: E731
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        step = lambda rs: plain_step(model, params, optimizer, rs, cfg, pad, device)  # noqa: E731
+    step(warm)  # warm-up (allocator, kernels), not timed
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base_rss = rss_mb()
+    seconds, tokens = 0.0, 0
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        tokens += step(rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+    out = {
+        "variant": args.variant, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mb": base_rss,
+        "loss_tokens": sum(sum(r.loss_mask) for r in rows) * args.repeats, "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="use the tiny random test model")
+    ap.add_argument("--model", default=None, help="model folder (default: the cached SmolLM2-135M)")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=300, help="mean row length")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    ap.add_argument("--variant", choices=["trainer", "plain"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.variant:  # child process
+        print(json.dumps(run_variant(args)))
+        return
+    if args.model is None:
+        if args.tiny or not DEFAULT_MODEL.exists():
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from tiny_model import build_tiny_model
+
+            args.model = str(build_tiny_model(tempfile.mkdtemp(prefix="whale-bench-")))
+        else:
+            args.model = str(DEFAULT_MODEL)
+    print(f"model {args.model}  rows {args.rows} x ~{args.tokens} tokens  micro-batch {args.micro_batch_tokens} "
+          f"tokens  device {args.device}  repeats {args.repeats}")
+    results = {}
+    for variant in ("plain", "trainer"):
+        cmd = [sys.executable, __file__, "--variant", variant, "--model", args.model, "--rows", str(args.rows),
+               "--tokens", str(args.tokens), "--micro-batch-tokens", str(args.micro_batch_tokens),
+               "--repeats", str(args.repeats), "--device", args.device]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
+        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in results.items():
+        extra = f"  cuda peak {r['cuda_peak_mb']:.0f} MB" if "cuda_peak_mb" in r else ""
+        print(f"{name:8s} {r['tokens_per_s']:9.1f} tokens/s  ({r['tokens']} tokens in {r['seconds']:.1f} s)  "
+              f"max RSS {r['max_rss_mb']:.0f} MB (RSS after load+warm-up {r['rss_before_mb']:.0f} MB){extra}")
+    ratio = results["trainer"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
+    print(f"ratio trainer/plain = {ratio:.2f}  (target >= 0.9)")
+    print(json.dumps({"ratio": ratio, **{k: v for k, v in results.items()}}))
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The `whale` command line (DESIGN §10). Errors are one readable line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from whale.config import Config, ConfigError, load_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="WHALE: joint harness-weight optimization for LLM agents.")
+harness_app = typer.Typer(no_args_is_help=True, help="Validate and browse harness files and archives.")
+app.add_typer(harness_app, name="harness")
+console = Console(stderr=True)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+def _config(path: Optional[str], overrides: list[str]) -> Config:
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+        raise  # unreachable
+
+
+def _read_harness(spec: str, domain) -> tuple[str, str]:
+    if spec == "h0":
+        return domain.base_harness(), "h0"
+    p = Path(spec)
+    if not p.is_file():
+        _fail(f"harness file not found: {spec} (or use 'h0' for the domain's base harness)")
+    return p.read_text(), p.stem
+
+
+@app.command("eval")
+def eval_cmd(
+    domain: str = typer.Option("searchqa", help="searchqa | math | chess"),
+    harness: str = typer.Option("h0", help="harness file, or h0 for the domain's base harness"),
+    model: Optional[str] = typer.Option(None, help="model id or folder (default: offline SmolLM2-135M)"),
+    weights: Optional[str] = typer.Option(None, help="adapter or checkpoint folder to load"),
+    split: str = typer.Option("test", help="weight | harness | val | test"),
+    k: int = typer.Option(8, help="samples per problem (mean@k, pass@k)"),
+    limit: Optional[int] = typer.Option(None, help="first N problems of the split"),
+    out: Optional[str] = typer.Option(None, help="folder for traces.jsonl and summary.json"),
+    config: Optional[str] = typer.Option(None, help="config YAML (domain, sampling, budgets, ...)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON on the last line"),
+):
+    """mean@k and pass@k of a harness (and weights) on a split, with per-episode traces."""
+    overrides = [f"domain.name={domain}"] + ([f"model.name={model}"] if model else []) + list(set_)
+    cfg = _config(config, overrides)
+    from whale.domains import SPLITS, load_domain
+    from whale.engine import make_engine
+    from whale.evaluate import evaluate
+    from whale.harness.runner import RolloutRunner
+
+    if split not in SPLITS:
+        _fail(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+    if k < 1:
+        _fail("--k must be at least 1")
+    try:
+        dom = load_domain(cfg)
+        problems = dom.load_splits()[split][: limit or None]
+        source, harness_id = _read_harness(harness, dom)
+        from whale.search.validate import static_check
+
+        problem = static_check(source, cfg)
+        if problem:
+            _fail(f"harness {harness}: {problem}")
+        engine = make_engine(cfg)
+        if weights:
+            engine.load_weights(weights, Path(weights).name)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    runner = RolloutRunner(engine, dom, cfg)
+    try:
+        traces = Path(out) / "traces.jsonl" if out else None
+        result, _ = evaluate(runner, source, problems, k, split=split, harness_id=harness_id, seed=cfg.seed,
+                             progress=f"eval {dom.name}/{split}", traces_path=traces)
+    finally:
+        runner.close()
+        engine.close()
+    summary = result.to_json()
+    summary["domain"] = dom.name
+    summary["grader"] = getattr(dom, "grader_name", cfg.domain.grader)
+    if out:
+        Path(out, "summary.json").write_text(json.dumps(summary, indent=1))
+    table = Table(title=f"{dom.name} / {split} / {harness_id} (k={k})")
+    for col in ("source", "n", "mean@k", "pass@k"):
+        table.add_column(col)
+    for src, row in result.per_source.items():
+        table.add_row(src, str(row["n"]), f"{row['mean_at_k']:.3f}", f"{row['pass_at_k']:.3f}")
+    table.add_row("all", str(result.n), f"{result.mean_at_k:.3f} [{result.ci95[0]:.3f}, {result.ci95[1]:.3f}]",
+                  f"{result.pass_at_k:.3f}")
+    console.print(table)
+    console.print(f"rollouts {result.rollouts}, errors {result.errors} {result.error_kinds or ''}")
+    if as_json:
+        print(json.dumps(summary))
+
+
+@app.command("run")
+def run_cmd(
+    config: Optional[str] = typer.Argument(None, help="config YAML"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
+    out: Optional[str] = typer.Option(None, help="run directory (default runs/<name>)"),
+    resume: Optional[str] = typer.Option(None, help="continue the run in this directory"),
+):
+    """Run WHALE or a baseline (schedule.kind) and write the run directory."""
+    from whale.run import run_experiment
+
+    try:
+        if resume:
+            if config or set_:
+                _fail("--resume takes the config saved in the run directory; drop CONFIG and --set")
+            run_dir = run_experiment(None, resume=resume)
+        else:
+            if config is None:
+                _fail("give a config file (see configs/) or --resume RUN_DIR")
+            cfg = _config(config, set_)
+            run_dir = run_experiment(cfg, out=out)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(f"[green]done[/]: {run_dir}  (report: whale report {run_dir})")
+
+
+@app.command("demo")
+def demo_cmd(
+    out: str = typer.Option("runs/demo", help="run directory"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
+):
+    """A short WHALE run on the embedded offline default (SmolLM2-135M, search QA, CPU)."""
+    from whale.report import write_report
+    from whale.run import run_experiment
+
+    cfg = _config(str(CONFIGS / "demo.yaml"), set_)
+    try:
+        if Path(out, "state.json").exists():
+            console.print(f"resuming the demo in {out} (delete it to start over)")
+            run_dir = run_experiment(None, resume=out)
+        else:
+            run_dir = run_experiment(cfg, out=out)
+        report = write_report(run_dir)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(f"[green]demo finished[/]. Report: {report}")
+
+
+@app.command("report")
+def report_cmd(run_dir: str):
+    """Write RUN_DIR/report/report.md and plots."""
+    from whale.report import write_report
+
+    try:
+        console.print(f"report: {write_report(run_dir)}")
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command("compare")
+def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="output folder")):
+    """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
+    from whale.report import compare_runs
+
+    try:
+        path = compare_runs(run_dirs, out)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(Path(path).read_text())
+
+
+@harness_app.command("validate")
+def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa | math | chess"),
+                     config: Optional[str] = typer.Option(None), set_: list[str] = typer.Option([], "--set"),
+                     prompt_only: bool = typer.Option(False, help="also check that only the prompts differ from h0")):
+    """The same checks the search applies: static checks, then a smoke episode in the sandbox."""
+    cfg = _config(config, [f"domain.name={domain}"] + list(set_))
+    from whale.domains import load_domain
+    from whale.engine import make_engine
+    from whale.harness.runner import RolloutRunner
+    from whale.search.validate import validate_candidate
+
+    dom = load_domain(cfg)
+    source, _ = _read_harness(path, dom)
+    engine = make_engine(cfg)
+    runner = RolloutRunner(engine, dom, cfg)
+    try:
+        ok, reason = validate_candidate(source, dom, cfg, runner, base_source=dom.base_harness(),
+                                        prompt_only=prompt_only, harness_problems=dom.load_splits()["harness"])
+    finally:
+        runner.close()
+    if not ok:
+        _fail(f"invalid harness: {reason}")
+    console.print(f"[green]valid[/]: {path}")
+
+
+@harness_app.command("list")
+def harness_list(run_dir: str):
+    """Every candidate in a run's archive with its scores."""
+    from whale.search.archive import Archive
+
+    archive = Archive(run_dir)
+    table = Table(title=f"{run_dir}/harnesses")
+    for col in ("id", "parent", "status", "mechanism", "scores (weights: success)"):
+        table.add_column(col)
+    for meta in archive.all_meta():
+        scores = ", ".join(f"{v}: {s['success_rate']:.3f}" for v, s in archive.all_scores(meta["id"]).items())
+        table.add_row(meta["id"], str(meta.get("parent")), meta.get("status", ""), str(meta.get("mechanism", ""))[:40], scores)
+    Console().print(table)
+
+
+@harness_app.command("show")
+def harness_show(run_dir: str, harness_id: str):
+    """Print a candidate's code and meta."""
+    base = Path(run_dir) / "harnesses" / harness_id
+    if not base.is_dir():
+        _fail(f"no candidate {harness_id} in {run_dir}")
+    print((base / "meta.json").read_text())
+    print((base / "harness.py").read_text())
+
+
+@harness_app.command("diff")
+def harness_diff(run_dir: str, a: str, b: str):
+    """Unified diff between two candidates."""
+    import difflib
+
+    pa, pb = (Path(run_dir) / "harnesses" / x / "harness.py" for x in (a, b))
+    for p in (pa, pb):
+        if not p.is_file():
+            _fail(f"no candidate file {p}")
+    sys.stdout.writelines(difflib.unified_diff(pa.read_text().splitlines(True), pb.read_text().splitlines(True),
+                                               f"{a}/harness.py", f"{b}/harness.py"))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The search-QA domain: retrieval-augmented factual QA in the Search-R1 protocol.
+
+`SearchQADomain(cfg)` reads `cfg.domain`:
+- `source`: "offline" (CIA World Factbook questions and passages, no network) or "searchr1"
+  (NQ/HotpotQA-style rows from `data_path`, optional `options.test_path`);
+- retrieval: `retriever_url` (a Search-R1 `/retrieve` server) if set, else BM25 over
+  `corpus_path` (wiki-18 style jsonl) if set, else over the Factbook passages (offline only);
+- `grader`: "em" (default), "subspan" or "judge" (`judge_model`, `options.judge_base_url`).
+
+The BM25 index is built lazily on the first `make_env`, once per domain object, and shared by
+every episode's `search` tool (calls arrive from the runner's tool threads).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable
+
+from whale.config import Config, ConfigError
+from whale.domains.base import EpisodeEnv, EpisodeError, Problem
+from whale.domains.searchqa import data, factbook, grading
+from whale.domains.searchqa.retrieval import BM25Retriever, HTTPRetriever, load_corpus
+
+MAX_K = 10
+MAX_QUERY_CHARS = 2000
+
+BRIEF = """\
+Search QA (Search-R1 protocol). Each episode is one factual question, read as `env.question`.
+Tools: `env.search(query: str, k: int = 3) -> list[{{"title", "text"}}]` returns up to k passages
+(k is clamped to 1..10), best first, from {corpus}; `env.submit(answer: str)` ends the episode
+(call it exactly once). Grader: {grader}. {grader_detail}
+Answers are short entities (a name, a city, a currency). Questions come from {questions}; some
+need two hops (first find the bridge entity, then search again for the asked fact).
+What tends to help a small model: always searching (not only when it asks), short queries that
+name the entity, putting few and short passages in the prompt, a second search for two-hop
+questions, prefilling the assistant turn with "<answer>" and stopping at "</answer>", and
+cleaning the answer (no sentence, no elevation or code unless asked). Harness code may use only
+the standard library, `env` and `llm`."""
+
+GRADER_DETAIL = {
+    "em": "The submitted text's last <answer>...</answer> (or the whole text when it has no tag) must "
+          "equal a gold alias after lower-casing and removing punctuation, articles and extra spaces.",
+    "subspan": "The submitted text's last <answer>...</answer> (or the whole text) must contain a gold "
+               "alias as whole words and be at most 5 words long (longer only if the alias is).",
+    "judge": "An LLM judge decides whether the last <answer>...</answer> names the gold entity "
+             "(exact match when the judge is unreachable).",
+}
+
+
+class SearchQAEnv(EpisodeEnv):
+    """One episode: the question, a search tool over the shared retriever, and submit."""
+
+    tools = ("search", "submit")
+
+    def __init__(self, problem: Problem, retriever: Any):
+        super().__init__(problem)
+        self._retriever = retriever
+
+    def public_state(self) -> dict[str, Any]:
+        return {"question": self.problem.question}
+
+    def search(self, query: str, k: int = 3) -> list[dict[str, str]]:
+        if not isinstance(query, str) or not query.strip():
+            raise EpisodeError("env.search needs a non-empty query string")
+        if isinstance(k, bool) or not isinstance(k, (int, float)):
+            raise EpisodeError(f"env.search: k must be an integer (got {k!r})")
+        k = max(1, min(MAX_K, int(k)))
+        return self._retriever.search(query.strip()[:MAX_QUERY_CHARS], k)
+
+
+class SearchQADomain:
+    name = "searchqa"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        d = cfg.domain
+        if d.source not in data.SOURCES:
+            raise ConfigError(f"domain.source for searchqa must be one of {list(data.SOURCES)} (got {d.source!r})")
+        self.grader_name = "em" if d.grader in ("default", "") else d.grader
+        if self.grader_name not in grading.GRADERS:
+            raise ConfigError(f"domain.grader for searchqa must be one of {list(grading.GRADERS)} (got {d.grader!r})")
+        if d.source == "searchr1":
+            if not d.data_path:
+                raise ConfigError("domain.source 'searchr1' needs domain.data_path (file, folder or HF dataset id)")
+            if not d.retriever_url and not d.corpus_path:
+                raise ConfigError("domain.source 'searchr1' needs domain.retriever_url or domain.corpus_path")
+        if d.corpus_path and not d.retriever_url and not Path(d.corpus_path).exists():
+            raise ConfigError(f"domain.corpus_path {d.corpus_path!r} does not exist")
+        try:
+            self._grader = self._make_grader()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.grade = self._grader  # picklable (a module-level function or a partial of one)
+        self._retriever: BM25Retriever | HTTPRetriever | None = None
+        self.brief = BRIEF.format(
+            corpus=self._corpus_label(), grader=self.grader_name, grader_detail=GRADER_DETAIL[self.grader_name],
+            questions="the CIA World Factbook (capital, currency, highest point, national anthem of a country)"
+            if d.source == "offline" else "Search-R1 style QA data (NQ, HotpotQA, ...)")
+
+    # ------------------------------------------------------------ Domain protocol
+
+    def load_splits(self) -> dict[str, list[Problem]]:
+        d = self.cfg.domain
+        sizes = d.splits.model_dump()
+        if d.source == "offline":
+            return data.make_splits(list(factbook.build_questions()), sizes, self.cfg.seed, "the offline Factbook set")
+        problems = data.load_searchr1(d.data_path, d.options.get("hf_split"))
+        held_out = None
+        if d.options.get("test_path"):
+            held_out = data.load_searchr1(d.options["test_path"], d.options.get("hf_test_split"))
+        return data.make_splits(problems, sizes, self.cfg.seed, f"data_path {d.data_path!r}", held_out)
+
+    def make_env(self, problem: Problem) -> SearchQAEnv:
+        return SearchQAEnv(problem, self.retriever)
+
+    def grader(self) -> Callable[[Problem, str | None], float]:
+        return self._grader
+
+    def base_harness(self) -> str:
+        return (Path(__file__).parent / "h0.py").read_text(encoding="utf-8")
+
+    # ------------------------------------------------------------ internals
+
+    @property
+    def retriever(self) -> BM25Retriever | HTTPRetriever:
+        if self._retriever is None:
+            d = self.cfg.domain
+            if d.retriever_url:
+                self._retriever = HTTPRetriever(d.retriever_url, float(d.options.get("retriever_timeout_s", 30.0)))
+            elif d.corpus_path:
+                self._retriever = BM25Retriever(load_corpus(d.corpus_path))
+            else:
+                self._retriever = BM25Retriever(factbook.load_passages())
+        return self._retriever
+
+    def _corpus_label(self) -> str:
+        d = self.cfg.domain
+        if d.retriever_url:
+            return f"the retrieval server at {d.retriever_url}"
+        if d.corpus_path:
+            return f"BM25 over the passages in {d.corpus_path}"
+        return ('BM25 over CIA World Factbook fields, one passage per field, titled like '
+                '"Kenya: Government > Capital > name" with the value as text')
+
+    def _make_grader(self) -> Callable[[Problem, str | None], float]:
+        if self.grader_name == "em":
+            return grading.grade_em
+        if self.grader_name == "subspan":
+            return grading.grade_subspan
+        settings = grading.judge_settings(self.cfg.domain.judge_model, self.cfg.domain.options)
+        return functools.partial(grading.grade_judge, **settings)

@@ -1,0 +1,319 @@
+"""Reports: where each rollout went and what it bought.
+
+`write_report(run_dir)` turns one run's metrics.jsonl and archive into report/report.md and plots
+(test/val mean@k against cumulative budget rollouts and tokens with the phases shaded, the weight
+phase's accept rate, the harness lineage). `compare_runs(dirs)` puts several runs side by side:
+the paper-style table (best / final / val-selected mean@k, rollouts, wall time) with seeds
+aggregated per method, paired bootstrap intervals against the first method, and overlay plots.
+
+The three test numbers are reported together on purpose: "best" is the paper's (the maximum of
+the test curve, i.e. selected on test), "val-selected" is the honest one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from whale.config import ConfigError  # noqa: E402
+from whale.store import read_metrics  # noqa: E402
+
+PHASE_COLORS = {"weight": "#dbe9f6", "harness": "#f6e3db"}
+
+
+def _load(run_dir: Path) -> tuple[list[dict], dict, dict]:
+    if not (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl (not a run directory, or the run has not started)")
+    import yaml
+
+    rows = read_metrics(run_dir)
+    state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {}
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    return rows, state, cfg
+
+
+def _x(row: dict, axis: str) -> float:
+    led = row.get("ledger", {})
+    return led.get("budget_rollouts", 0) if axis == "rollouts" else led.get("tokens", 0)
+
+
+def _phase_spans(rows: list[dict], axis: str) -> list[tuple[str, float, float]]:
+    spans: list[tuple[str, float, float]] = []
+    for r in rows:
+        ev = r.get("event", "")
+        phase = "weight" if ev == "weight_step" else ("harness" if ev in ("iteration_end", "candidate", "rescore")
+                                                      else None)
+        if phase is None:
+            continue
+        x = _x(r, axis)
+        if spans and spans[-1][0] == phase:
+            spans[-1] = (phase, spans[-1][1], x)
+        else:
+            start = spans[-1][2] if spans else 0.0
+            spans.append((phase, start, x))
+    return spans
+
+
+def _curve_plot(rows: list[dict], axis: str, path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for phase, a, b in _phase_spans(rows, axis):
+        ax.axvspan(a, b, color=PHASE_COLORS[phase], lw=0)
+    for split, style in (("test", "o-"), ("val", "s--")):
+        pts = [(_x(r, axis), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{split} mean@k")
+    from matplotlib.patches import Patch
+
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Patch(color=c, label=f"{p} phase") for p, c in PHASE_COLORS.items()]
+    ax.legend(handles=handles, fontsize=8)
+    ax.set_xlabel("cumulative budget rollouts (weight + harness search)" if axis == "rollouts" else "cumulative tokens")
+    ax.set_ylabel("mean@k")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _accept_plot(rows: list[dict], path: Path) -> bool:
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    if not steps:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot([r["step"] for r in steps], [r["accept_rate"] for r in steps], "o-")
+    ax.set_xlabel("weight step")
+    ax.set_ylabel("training accept rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _lineage(run_dir: Path) -> list[dict]:
+    p = run_dir / "harnesses" / "summary.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in open(p) if line.strip()]
+
+
+def _lineage_plot(run_dir: Path, accepted: list[str], path: Path) -> bool:
+    rows = _lineage(run_dir)
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    versions = sorted({r.get("weights_version", "") for r in rows}, key=lambda v: [r.get("weights_version") for r in rows].index(v))
+    pos = {}
+    for i, r in enumerate(rows):
+        pos[(r["id"], r.get("weights_version"))] = (i, r.get("success_rate", 0.0))
+    for (cid, ver), (x, y) in pos.items():
+        meta_p = run_dir / "harnesses" / cid / "meta.json"
+        parent = json.loads(meta_p.read_text()).get("parent") if meta_p.exists() else None
+        if parent and (parent, ver) in pos:
+            px, py = pos[(parent, ver)]
+            ax.plot([px, x], [py, y], color="#bbbbbb", lw=0.8, zorder=1)
+    for ver_i, ver in enumerate(versions):
+        pts = [(x, y, cid) for (cid, v), (x, y) in pos.items() if v == ver]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, label=f"weights {ver}", zorder=2)
+        for x, y, cid in pts:
+            if cid in accepted:
+                ax.annotate(cid, (x, y), fontsize=7, xytext=(2, 3), textcoords="offset points")
+    ax.set_xlabel("candidate evaluation (order)")
+    ax.set_ylabel("success rate on D_harness")
+    ax.legend(fontsize=7)
+    ax.set_title("harness lineage (edges: parent -> child)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(run_dir: str | Path) -> Path:
+    from whale.run import load_summary
+
+    run_dir = Path(run_dir)
+    rows, state, cfg = _load(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    name = cfg.get("name", run_dir.name)
+    _curve_plot(rows, "rollouts", out / "accuracy_vs_rollouts.png", f"{name}: accuracy vs rollouts")
+    _curve_plot(rows, "tokens", out / "accuracy_vs_tokens.png", f"{name}: accuracy vs tokens")
+    has_accept = _accept_plot(rows, out / "accept_rate.png")
+    accepted = [r["accepted"] for r in rows if r.get("event") == "harness_accepted"]
+    has_lineage = _lineage_plot(run_dir, accepted, out / "lineage.png")
+    s = load_summary(run_dir)
+    led = state.get("ledger", {})
+    sched = cfg.get("schedule", {})
+    lines = [f"# WHALE run report: {name}", "",
+             f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
+             f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}",
+             f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s", "",
+             "## Test mean@k", "", "| final | best (paper's, selected on test) | val-selected (honest) |",
+             "|---|---|---|", f"| {_fmt(s['final'])} | {_fmt(s['best'])} | {_fmt(s['val_selected'])} |", "",
+             "## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
+    for purpose, n in sorted(led.get("rollouts", {}).items()):
+        lines.append(f"| {purpose} | {n} | {'yes' if purpose in ('weight', 'harness') else 'recorded only'} |")
+    lines += ["", f"LLM calls {led.get('llm_calls', 0)}, tokens {led.get('tokens', 0)} "
+              f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
+              f"proposer time {led.get('proposer_seconds', 0)} s.", "",
+              "![accuracy vs rollouts](accuracy_vs_rollouts.png)", "", "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
+    evals = [r for r in rows if r.get("event") == "eval"]
+    if evals:
+        lines += ["## Evaluations", "", "| unit | split | harness | weights | mean@k | 95% CI | pass@k | budget rollouts |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in evals:
+            ci = r.get("ci95", [0, 0])
+            lines.append(f"| {r['unit']} | {r['split']} | {r.get('harness')} | {r.get('weights_version')} | "
+                         f"{r['mean_at_k']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | {r['pass_at_k']:.3f} | {_x(r, 'rollouts')} |")
+        last = evals[-1]
+        if last.get("per_source"):
+            lines += ["", f"Per data source (last evaluation, {last['split']}):", "", "| source | n | mean@k | pass@k |",
+                      "|---|---|---|---|"]
+            for src, v in last["per_source"].items():
+                lines.append(f"| {src} | {v['n']} | {v['mean_at_k']:.3f} | {v['pass_at_k']:.3f} |")
+        lines.append("")
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    if steps:
+        lines += ["## Weight phase", "", "| step | harness | accept rate | rows | trained tokens | loss | gen s | train s | note |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in steps:
+            loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
+            lines.append(f"| {r['step']} | {r.get('harness')} | {r['accept_rate']:.3f} | {r['rows']} | {r['trained_tokens']} | "
+                         f"{loss} | {r['gen_seconds']:.0f} | {r['train_seconds']:.0f} | {r['reason']} |")
+        lines.append("")
+        if has_accept:
+            lines += ["![accept rate](accept_rate.png)", ""]
+    harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error")]
+    if harness_rows or accepted:
+        lines += ["## Harness phase", "", f"Accepted harnesses, phase by phase: {' -> '.join(['h0'] + accepted)}", "",
+                  "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
+        for r in harness_rows:
+            sr = r.get("success_rate")
+            lines.append(f"| {r['unit']} | {r['event']} | {r.get('candidate', '')} | {r.get('weights_version')} | "
+                         f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:80]} |")
+        lines.append("")
+        if has_lineage:
+            lines += ["![lineage](lineage.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    return out / "report.md"
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+# ---------------------------------------------------------------------- compare
+def _method(cfg: dict) -> str:
+    s = cfg.get("schedule", {})
+    kind = s.get("kind", "?")
+    return kind + ("+adaptive" if s.get("adaptive") else "")
+
+
+def _final_test_per_problem(rows: list[dict]) -> list[float] | None:
+    test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test" and r.get("per_problem")]
+    return test[-1]["per_problem"] if test else None
+
+
+def paired_bootstrap(a: list[list[float]], b: list[list[float]], iters: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean difference a - b and its 95% interval, resampling problems (paired) and seeds.
+
+    a[s][i]: per-problem mean@k of method A with seed s on problem i (same problems for B)."""
+    rng = random.Random(seed)
+    n = min(len(x) for x in a + b)
+    diff = sum(sum(x[:n]) / n for x in a) / len(a) - sum(sum(x[:n]) / n for x in b) / len(b)
+    samples = []
+    for _ in range(iters):
+        idx = [rng.randrange(n) for _ in range(n)]
+        sa = [a[rng.randrange(len(a))] for _ in a]
+        sb = [b[rng.randrange(len(b))] for _ in b]
+        ma = sum(sum(x[i] for i in idx) / n for x in sa) / len(sa)
+        mb = sum(sum(x[i] for i in idx) / n for x in sb) / len(sb)
+        samples.append(ma - mb)
+    samples.sort()
+    return round(diff, 4), round(samples[int(0.025 * iters)], 4), round(samples[int(0.975 * iters) - 1], 4)
+
+
+def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Path:
+    from whale.run import load_summary
+
+    if not run_dirs:
+        raise ConfigError("compare needs at least one run directory")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for d in map(Path, run_dirs):
+        rows, state, cfg = _load(d)
+        s = load_summary(d)
+        by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
+                                        "per_problem": _final_test_per_problem(rows)})
+    methods = list(by_method)
+    lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Budget rollouts = weight + harness search.", "",
+             "| method | runs | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        runs = by_method[m]
+        cells = [_mean_sd([r["summary"][key] for r in runs]) for key in ("best", "final", "val_selected")]
+        budget = _mean_sd([r["summary"]["ledger"].get("budget_rollouts") for r in runs], digits=0)
+        total = _mean_sd([sum(r["summary"]["ledger"].get("rollouts", {}).values()) for r in runs], digits=0)
+        secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
+        lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
+    ref = methods[0]
+    ref_pp = [r["per_problem"] for r in by_method[ref] if r["per_problem"]]
+    if len(methods) > 1 and ref_pp:
+        lines += ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over problems and seeds (95%):", "",
+                  "| method | difference | 95% CI |", "|---|---|---|"]
+        for m in methods[1:]:
+            pp = [r["per_problem"] for r in by_method[m] if r["per_problem"]]
+            if pp:
+                d, lo, hi = paired_bootstrap(pp, ref_pp)
+                lines.append(f"| {m} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+    # per-source breakdown of the final test evaluation
+    lines += ["", "Per data source (final test evaluation, mean over runs):", ""]
+    sources = sorted({s for m in methods for r in by_method[m] for s in _last_sources(r["rows"])})
+    if sources:
+        lines += ["| method | " + " | ".join(sources) + " |", "|---|" + "---|" * len(sources)]
+        for m in methods:
+            vals = []
+            for src in sources:
+                xs = [_last_sources(r["rows"]).get(src) for r in by_method[m]]
+                vals.append(_mean_sd(xs))
+            lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    for axis in ("rollouts", "tokens"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for ci, m in enumerate(methods):
+            for j, r in enumerate(by_method[m]):
+                pts = [(_x(x, axis), x["mean_at_k"]) for x in r["rows"] if x.get("event") == "eval" and x.get("split") == "test"]
+                if pts:
+                    ax.plot(*zip(*pts), "o-", color=f"C{ci}", alpha=0.8, ms=3, label=m if j == 0 else None)
+        ax.set_xlabel(f"cumulative budget {axis}" if axis == "rollouts" else "cumulative tokens")
+        ax.set_ylabel("test mean@k")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"compare_{axis}.png", dpi=120)
+        plt.close(fig)
+    lines += ["", "![test mean@k vs rollouts](compare_rollouts.png)", "", "![test mean@k vs tokens](compare_tokens.png)", ""]
+    (out / "compare.md").write_text("\n".join(lines))
+    return out / "compare.md"
+
+
+def _last_sources(rows: list[dict]) -> dict[str, float]:
+    test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test"]
+    return {k: v["mean_at_k"] for k, v in (test[-1].get("per_source") or {}).items()} if test else {}
+
+
+def _mean_sd(values: list[Any], digits: int = 3) -> str:
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return "-"
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{m:.{digits}f}"
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"

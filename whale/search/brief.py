@@ -1,0 +1,104 @@
+"""BRIEF.md: what a proposer is told before it reads the archive.
+
+Meta-Harness's authors found the skill text matters more than iteration count or population size,
+so the brief is explicit: the harness contract, the domain, what to read (code and raw traces
+first), and the rules the released WHALE skill enforces (one mechanism per candidate, no
+parameter-only variants, no dataset-specific or question-conditional code, no benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from whale.config import Config
+
+CONTRACT = """\
+A harness is ONE Python file that defines
+
+    SYSTEM_PROMPT = "..."          # module-level string literal
+    USER_PROMPT = "..."            # module-level string literal
+    def run(env, llm):             # play one episode; return nothing, answer through env
+        ...
+
+- `llm(messages, *, max_tokens=None, stop=None, choices=None, n=1, tools=None, template_kwargs=None)`
+  is the only way to reach the model. `messages` is a list of {"role", "content"} chat messages.
+  It returns a Completion: a `str` with `.finish_reason`, `.tool_calls` and `.usage`
+  (a list of them when n > 1).
+  - `choices=[...]` returns exactly one of the given strings, drawn from the model's own
+    probabilities (constrained decoding at sequence level).
+  - If the last message has role "assistant", the model continues that text (prefill) and only
+    the continuation is returned, e.g. prefill "<answer>" to force the answer format.
+  - Sampling temperature/top-k come from the run config; you cannot change them.
+- `env` is the episode: `env.question` (str), `env.submit(answer)` (once), plus the domain's
+  tools and state attributes described below. Tool errors raise an exception with the reason.
+- Budgets per episode (LLM calls, tool calls, tokens, seconds) are enforced outside the harness;
+  exceeding one ends the episode with reward 0.
+- The harness runs in a sandbox: standard library only{extra}, never `whale`, no network, no
+  files of the project. It never sees the gold answer or the grader.
+"""
+
+RULES = """\
+1. Write exactly {n} file(s): `candidates/cand_1.py` ... `candidates/cand_{n}.py`. Nothing else
+   you write is collected.
+2. Each file starts with a module docstring containing the lines
+       Hypothesis: <why this should raise the success rate, citing what you saw in traces>
+       Mechanism: <the ONE mechanism this candidate changes>
+       Parent: <id of the archive harness you started from>
+3. One mechanism per candidate, so its effect can be read off the scores.
+4. No parameter-only variants: a candidate whose logic differs from its parent only in numbers
+   or constants is wasted budget. Change what the harness does.
+5. No dataset-specific hacks: no dataset names, no lookup tables of questions or answers, no
+   code that branches on the text of particular questions.
+6. Never look for or read test or validation data; the archive is all you may read.
+7. Do not run benchmarks or evaluate candidates yourself: evaluation happens outside, on the
+   harness-search split, after you finish.
+8. Standard library only{extra}; keep the file under {max_bytes} bytes.
+"""
+
+READ = """\
+The archive (`{archive}`) holds every earlier candidate; read code and raw traces first:
+- `summary.jsonl`: one row per evaluated (candidate, weights version): success_rate,
+  mean_llm_calls, mean_tokens, rollouts, errors, mechanism, hypothesis, parent.
+- `frontier.json`: the Pareto frontier (success rate up, LLM calls down) per weights version.
+- `<id>/harness.py`: the candidate's code. `<id>/meta.json`: parent, hypothesis, status
+  (valid / invalid / duplicate) and the reason an invalid one was rejected.
+- `<id>/scores.json`: scores per weights version.
+- `<id>/traces.jsonl`: every episode on the search split: each model call (messages,
+  completion), each tool call, the answer, reward, error. Compare failures of the best
+  harness with successes; `grep '"reward": 0.0'` finds the failures.
+Only scores measured under the current weights version (`{version}`) are comparable.
+"""
+
+
+def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
+               frontier: list[dict[str, Any]] | None = None, prompt_only: bool = False,
+               base_source: str | None = None, archive_path: str = "archive/") -> str:
+    extra = cfg.runner.sandbox.extra_packages
+    extra_text = f" plus {', '.join(extra)}" if extra else ""
+    b = cfg.domain.budget
+    parts = [
+        f"# Harness search brief: domain `{domain.name}`\n",
+        "You are improving the harness (the program around a language model) for this task. "
+        "Read the archive, find why episodes fail, and write new candidate harnesses.\n",
+        "## The harness contract\n", CONTRACT.replace("{extra}", extra_text),
+        f"Budgets here: {b.llm_calls} LLM calls, {b.tool_calls} tool calls, {b.tokens} tokens, "
+        f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
+        f"at most {cfg.sampling.max_tokens_cap}.\n",
+        "## The domain\n", str(getattr(domain, "brief", "")).strip() + "\n",
+        "## What to read\n", READ.format(archive=archive_path, version=weights_version),
+        "## Where things stand\n",
+        f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
+    ]
+    for p in (frontier or [])[:8]:
+        parts.append(f"- frontier: `{p['id']}` success_rate={p['success_rate']:.3f} "
+                     f"mean_llm_calls={p['mean_llm_calls']:.2f}\n")
+    parts += ["\n## Rules\n", RULES.format(n=n, extra=extra_text, max_bytes=cfg.harness.max_file_bytes)]
+    if prompt_only:
+        parts += [
+            "\n## Prompt-only mode\n",
+            "You may change ONLY the values of SYSTEM_PROMPT and USER_PROMPT (and the module "
+            "docstring). Every other line must stay exactly as in this base harness; anything else "
+            "is rejected by an AST comparison. Keep any format placeholders the code fills in.\n\n",
+            "```python\n" + (base_source or "").rstrip() + "\n```\n",
+        ]
+    return "".join(parts)

@@ -1,0 +1,260 @@
+"""The harness phase: Meta-Harness search under the current weights.
+
+One phase = iteration 1 re-scores the incoming harness under the new weights (the paper counts it
+as the first harness iteration), then each further iteration asks the proposer for M candidates,
+validates them, evaluates the valid ones on D_harness (1 rollout per problem by default) and
+archives code, scores and traces. The accepted harness is the top Pareto point among candidates
+scored under the *current* weights; the incoming harness can win. A newly accepted harness must
+pass the null-engine probe (guard.py), or the next best one is taken.
+
+Everything that happens is a history row handed to `on_iteration(row)` (the caller writes them to
+metrics.jsonl): rescore, candidate (evaluated), invalid, duplicate, proposer_failure, null_probe,
+iteration_end, accept. After every row `state_dict()` is consistent; the caller saves it then.
+Resume: proposals are archived (status "pending") before any is validated, so a killed phase
+re-proposes only if it died while the proposer ran, and redoes at most the one pending candidate
+that was being evaluated.
+
+Adaptive mode (patience on the search signal, as in the paper's adaptive schedule): at least
+1 + harness.min_iterations and at most 1 + harness.max_iterations iterations; stop once
+harness.patience iterations in a row set no new best success rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from whale.config import Config
+from whale.search.archive import Archive
+from whale.search.brief import make_brief
+from whale.search.guard import null_probe
+from whale.search.proposers import ProposalContext
+from whale.search.validate import validate_candidate
+
+
+@dataclass
+class PhaseResult:
+    accepted_id: str
+    iterations: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class HarnessSearch:
+    def __init__(self, cfg: Config, domain, runner, archive: Archive, proposer, ledger_callback=None, *,
+                 null_runner=None, workspace_root: str | Path | None = None, progress: bool = True):
+        """`ledger_callback(purpose, trajectories)` is called after every batch of rollouts
+        (purposes: harness, smoke, null_probe) so the caller's ledger counts them all."""
+        self.cfg = cfg
+        self.domain = domain
+        self.runner = runner
+        self.archive = archive
+        self.proposer = proposer
+        self.ledger_callback = ledger_callback
+        self.null_runner = null_runner
+        self._own_null_runner = False
+        self.workspace_root = Path(workspace_root) if workspace_root else archive.run_dir / "proposer"
+        self.progress = progress
+        self._problems: list | None = None
+        self._state: dict[str, Any] = {}
+        self._history: list[dict[str, Any]] = []
+        self._on_iteration: Callable[[dict], None] | None = None
+
+    # ----- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = copy.deepcopy(state)
+
+    def harness_problems(self) -> list:
+        if self._problems is None:
+            self._problems = list(self.domain.load_splits()["harness"])
+            if not self._problems:
+                raise ValueError(f"domain {self.domain.name!r} has an empty harness split")
+        return self._problems
+
+    # ----- phase ---------------------------------------------------------------------------------
+    def run_phase(self, incoming_id: str, weights_version: str, iterations: int | None = None, *,
+                  adaptive: bool = False, on_iteration: Callable[[dict], None] | None = None) -> PhaseResult:
+        self.archive.meta(incoming_id)  # a clear KeyError for an unknown id
+        self._history, self._on_iteration = [], on_iteration
+        st = self._state
+        if not (st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version):
+            self._state = st = {"incoming_id": incoming_id, "weights_version": weights_version, "done": 0,
+                                "best_rate": None, "stale": 0, "pending": None, "accepted": None}
+        if st.get("accepted"):
+            return PhaseResult(st["accepted"], st["done"], [])
+        if adaptive:
+            first_stop, last = 1 + self.cfg.harness.min_iterations, 1 + self.cfg.harness.max_iterations
+        else:
+            last = iterations if iterations is not None else self.cfg.schedule.harness_iterations
+            if last < 1:
+                raise ValueError(f"a harness phase needs at least 1 iteration, got {last}")
+            first_stop = last
+        while st["done"] < last:
+            it = st["done"] + 1
+            if it == 1:
+                st["best_rate"], st["stale"] = self._rescore(incoming_id, weights_version), 0
+            else:
+                best = max(self._iteration(it), default=None)
+                if best is not None and best > st["best_rate"] + 1e-12:
+                    st["best_rate"], st["stale"] = best, 0
+                else:
+                    st["stale"] += 1
+            st["done"], st["pending"] = it, None
+            self._emit({"event": "iteration_end", "iteration": it, "best_rate": st["best_rate"], "stale": st["stale"]})
+            if adaptive and st["done"] >= first_stop and st["stale"] >= self.cfg.harness.patience:
+                break
+        accepted = self._accept(incoming_id, weights_version)
+        st["accepted"] = accepted
+        self._emit({"event": "accept", "iteration": st["done"], "id": accepted,
+                    **(self.archive.scores(accepted, weights_version) or {})})
+        return PhaseResult(accepted, st["done"], list(self._history))
+
+    def close(self) -> None:
+        if self.null_runner is not None and self._own_null_runner:
+            self.null_runner.close()
+            self.null_runner = None
+
+    # ----- steps ---------------------------------------------------------------------------------
+    def _emit(self, row: dict[str, Any]) -> None:
+        row = {"phase_incoming": self._state.get("incoming_id"), "weights_version": self._state.get("weights_version"),
+               **row}
+        self._history.append(row)
+        if self._on_iteration is not None:
+            self._on_iteration(row)
+
+    def _seed(self, version: str) -> int:
+        """One seed per (run, weights version): every candidate of a phase sees the same sampling
+        seeds per problem, so their scores are paired comparisons (common random numbers)."""
+        return int(hashlib.sha256(f"{self.cfg.seed}/{version}/harness".encode()).hexdigest()[:8], 16)
+
+    def _count(self, purpose: str, trajectories) -> None:
+        if self.ledger_callback is not None:
+            self.ledger_callback(purpose, trajectories)
+
+    def _evaluate(self, cid: str, version: str) -> dict[str, Any]:
+        problems = self.harness_problems()
+        trajs = self.runner.run(self.archive.source(cid), problems, self.cfg.harness.samples_per_example,
+                                harness_id=cid, seed=self._seed(version), purpose="harness",
+                                progress=f"harness {cid}" if self.progress else None)
+        self._count("harness", trajs)
+        gold = {p.id: p.answer for p in problems} if self.cfg.domain.show_gold_in_traces else None
+        return self.archive.record_scores(cid, version, trajs, gold=gold)
+
+    def _rescore(self, cid: str, version: str) -> float:
+        scores = self.archive.scores(cid, version)
+        reused = scores is not None
+        if not reused:
+            scores = self._evaluate(cid, version)
+        self._emit({"event": "rescore", "iteration": 1, "id": cid, "reused": reused, **scores})
+        return scores["success_rate"]
+
+    def _iteration(self, it: int) -> list[float]:
+        """Propose (unless a resumed iteration already did), handle every pending candidate, and
+        return the success rates of this iteration's evaluated candidates."""
+        st = self._state
+        version, incoming = st["weights_version"], st["incoming_id"]
+        if st["pending"] is None or st["pending"]["iteration"] != it:
+            ids = self._propose(it, incoming, version)
+            st["pending"] = {"iteration": it, "ids": ids}
+            self._emit({"event": "proposals", "iteration": it, "ids": ids})
+        rates = []
+        for cid in st["pending"]["ids"]:
+            self._handle(cid, it, version)
+            scores = self.archive.scores(cid, version)
+            if scores is not None and self.archive.meta(cid)["status"] == "valid":
+                rates.append(scores["success_rate"])
+        return rates
+
+    def _propose(self, it: int, incoming: str, version: str) -> list[str]:
+        m = self.cfg.harness.candidates_per_iteration
+        prompt_only = self.cfg.harness.prompt_only
+        base = self.archive.source(incoming)
+        tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"{version}-{incoming}-it{it:02d}")
+        brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
+                           frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base)
+        ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
+                              prompt_only=prompt_only, base_source=base if prompt_only else None, tag=tag,
+                              seed=self.cfg.seed)
+        name = getattr(self.proposer, "name", type(self.proposer).__name__)
+        try:
+            proposals = self.proposer.propose(self.archive, self.domain, m, self.workspace_root / tag, ctx)
+            error = getattr(self.proposer, "last_error", None)
+        except Exception as e:  # noqa: BLE001 - a proposer bug must not end the run
+            proposals, error = [], f"proposer raised {type(e).__name__}: {e}"
+        usage = dict(getattr(self.proposer, "last_usage", {}) or {})
+        if not proposals:
+            self._emit({"event": "proposer_failure", "iteration": it, "proposer": name,
+                        "reason": error or "proposer returned no candidates", "usage": usage})
+            return []
+        if error:
+            self._emit({"event": "proposer_warning", "iteration": it, "proposer": name, "reason": error})
+        self._emit({"event": "proposer_usage", "iteration": it, "proposer": name, "n": len(proposals), "usage": usage})
+        ids = []
+        for p in proposals[:m]:
+            parent = p.parent if p.parent in self.archive.ids() else incoming
+            ids.append(self.archive.add_candidate(p.source, parent, name, p.hypothesis, p.mechanism, p.notes))
+        return ids
+
+    def _handle(self, cid: str, it: int, version: str) -> None:
+        """Validate and evaluate one pending candidate (already handled ones are left alone)."""
+        meta = self.archive.meta(cid)
+        if meta["status"] != "pending":
+            return  # handled before a resume
+        row = {"iteration": it, "id": cid, "parent": meta["parent"], "mechanism": meta["mechanism"]}
+        dup = self.archive.evaluated(meta["code_hash"], version)
+        if dup is not None:
+            reason = f"same code as {dup}, already evaluated under weights {version}"
+            self.archive.update_meta(cid, status="duplicate", reason=reason, duplicate_of=dup)
+            self._emit({"event": "duplicate", **row, "status": "duplicate", "reason": reason,
+                        **(self.archive.scores(dup, version) or {})})
+            return
+        source = self.archive.source(cid)
+        parent = meta["parent"] if meta["parent"] in self.archive.ids() else self._state["incoming_id"]
+        prompt_only = self.cfg.harness.prompt_only
+        base = self.archive.source(self._state["incoming_id"] if prompt_only else parent)
+        ok, reason = validate_candidate(source, self.domain, self.cfg, self.runner, base_source=base,
+                                        prompt_only=prompt_only, harness_problems=self.harness_problems(),
+                                        on_rollouts=self._count)
+        if not ok:
+            self.archive.record_invalid(cid, reason)
+            self._emit({"event": "invalid", **row, "status": "invalid", "reason": reason})
+            return
+        self.archive.update_meta(cid, validation=reason)
+        scores = self._evaluate(cid, version)
+        self._emit({"event": "candidate", **row, "status": "valid", "reason": reason, **scores})
+
+    def _accept(self, incoming: str, version: str) -> str:
+        """Best candidate under `version` that passes the null probe (the incoming harness is exempt)."""
+        for cid in self.archive.ranking(version) or [incoming]:
+            if cid == incoming:
+                return cid
+            probe = (self.archive.meta(cid).get("null_probe") or {}).get(version)
+            if probe is None:
+                probe = self._probe(cid, version)
+                probes = dict(self.archive.meta(cid).get("null_probe") or {})
+                probes[version] = probe
+                self.archive.update_meta(cid, null_probe=probes, flagged=probe["flagged"])
+                self._emit({"event": "null_probe", "iteration": self._state["done"], "id": cid, **probe})
+            if not probe["flagged"] or not self.cfg.harness.reject_flagged:
+                return cid
+        return incoming
+
+    def _probe(self, cid: str, version: str) -> dict[str, Any]:
+        real: dict[str, list[float]] = {}
+        for row in self.archive.traces(cid, version):
+            real.setdefault(row["problem_id"], []).append(float(row["reward"]))
+        if self.null_runner is None:
+            from whale.engine.null import NullEngine
+            from whale.harness.runner import RolloutRunner
+
+            self.null_runner = RolloutRunner(NullEngine(seed=self.cfg.seed), self.domain, self.cfg)
+            self._own_null_runner = True
+        return null_probe(self.runner, self.archive.source(cid), self.harness_problems(), self.cfg,
+                          null_runner=self.null_runner, real_rewards={k: sum(v) / len(v) for k, v in real.items()},
+                          harness_id=cid, seed=self._seed(version), ledger_callback=self._count)

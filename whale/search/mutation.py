@@ -1,0 +1,368 @@
+"""The offline mutation proposer: a fixed library of real code transformations, seeded.
+
+A weak proposer by design. It does not read traces or reason about failures; it picks a parent
+(better archive members more often) and applies one transformation from a per-domain library
+that encodes mechanisms known to help (retrieval up front, constrained move choice, majority
+votes, format reminders ...). It exists so the whole WHALE loop runs offline, in tests and on a
+laptop without an agent CLI or an API key; real searches should use `agent_cli` or `chat`.
+
+How edits are made robust to any descendant of the domains' h0 harnesses:
+- most mechanisms *wrap* the harness: the current top-level `run` is renamed and a new `run`
+  hands it a wrapped `llm` and/or `env` (extra passages in the prompt, a vote over samples,
+  constrained choices, a retry on a refused move). This depends only on the harness contract;
+- prompt mechanisms rewrite the SYSTEM_PROMPT / USER_PROMPT literals (braces escaped when the
+  code calls `.format` on them), so they are also valid in prompt-only mode;
+- a few touch named constants or replace the base `run` when the parent has the expected shape,
+  and are skipped otherwise.
+Every block is marked `# --- mutation: <name> ---`, a mechanism is applied at most once per
+lineage, and every result passes the same static checks as any candidate. The code blocks live in
+mutation_blocks.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import string
+from dataclasses import dataclass
+from typing import Callable
+
+from whale.config import Config
+from whale.search import mutation_blocks as B
+from whale.search.archive import code_hash
+from whale.search.proposers import Proposal
+from whale.search.validate import static_check
+
+MARK = "# --- mutation: {} ---"
+
+
+# ----- source editing helpers ----------------------------------------------------------------------
+def has_mutation(source: str, name: str) -> bool:
+    return MARK.format(name) in source
+
+
+def _module_assign(tree: ast.Module, name: str) -> ast.stmt | None:
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node
+    return None
+
+
+def _replace_lines(source: str, start: int, end: int, text: str) -> str:
+    """Replace 1-based lines start..end (inclusive) with `text`."""
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[: start - 1]) + text.rstrip("\n") + "\n" + "".join(lines[end:])
+
+
+def _literal(value: str) -> str:
+    if len(value) <= 80 and "\n" not in value:
+        return repr(value)
+    parts = [p for p in re.split(r"(?<=\n)", value) if p]
+    chunks = []
+    for part in parts:
+        while len(part) > 90:
+            cut = part.rfind(" ", 0, 90) + 1 or 90
+            chunks.append(part[:cut])
+            part = part[cut:]
+        chunks.append(part)
+    return "(\n" + "".join(f"    {c!r}\n" for c in chunks) + ")"
+
+
+def prompt_is_formatted(tree: ast.Module, name: str) -> bool:
+    """True when the code calls NAME.format(...) or NAME % ... (so literal braces must be doubled)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "format" and isinstance(node.value, ast.Name) \
+                and node.value.id == name:
+            return True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Name) \
+                and node.left.id == name:
+            return True
+    return False
+
+
+def prompt_fields(value: str) -> set[str]:
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
+    except ValueError:
+        return {"<unparsable>"}
+
+
+def edit_prompt(source: str, name: str, fn: Callable[[str, bool], str | None]) -> str | None:
+    """Set the string constant `name` to fn(old_value, formatted); None when absent or unchanged."""
+    tree = ast.parse(source)
+    node = _module_assign(tree, name)
+    if node is None or not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        return None
+    new = fn(node.value.value, prompt_is_formatted(tree, name))
+    if new is None or new == node.value.value:
+        return None
+    return _replace_lines(source, node.lineno, node.end_lineno, f"{name} = {_literal(new)}")
+
+
+def escape_braces(text: str, formatted: bool) -> str:
+    return text.replace("{", "{{").replace("}", "}}") if formatted else text
+
+
+def ensure_import(source: str, module: str) -> str:
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.Import) and any(a.name == module and a.asname is None for a in node.names):
+            return source
+    body = tree.body
+    at = body[0].end_lineno if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[:at]) + ("\n" if at else "") + f"import {module}\n" + "".join(lines[at:])
+
+
+def _unique(source: str, base: str) -> str:
+    name, i = base, 2
+    while re.search(rf"\b{re.escape(name)}\b", source):
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def wrap_run(source: str, name: str, block: str, imports: tuple[str, ...] = ()) -> str | None:
+    """Rename the top-level `run` and append `block`, which defines the new `run` and calls
+    `__INNER__` (the renamed one) with a wrapped env/llm. Shared helpers are added once."""
+    tree = ast.parse(source)
+    runs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"]
+    if not runs:
+        return None
+    inner = _unique(source, f"_run_before_{name}")
+    lines = source.splitlines(keepends=True)
+    i = runs[-1].lineno - 1
+    renamed = re.sub(r"\bdef\s+run\s*\(", f"def {inner}(", lines[i], count=1)
+    if renamed == lines[i]:
+        return None
+    lines[i] = renamed
+    out = "".join(lines).rstrip("\n") + "\n"
+    if B.HELPERS_MARK not in out:
+        out += "\n\n" + B.HELPERS
+    out += "\n\n" + MARK.format(name) + "\n" + block.replace("__INNER__", inner).strip("\n") + "\n"
+    for module in ("re", *imports):
+        out = ensure_import(out, module)
+    return out
+
+
+def base_run(tree: ast.Module, source: str) -> ast.FunctionDef | None:
+    """The innermost run: `run` or a renamed `_run_before_*` defined before any mutation block."""
+    first_mark = source.find("# --- mutation")
+    limit = source.count("\n", 0, first_mark) + 1 if first_mark >= 0 else 10**9
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and (node.name == "run" or node.name.startswith("_run_before_")) \
+                and node.lineno < limit:
+            return node
+    return None
+
+
+def replace_base_run(source: str, name: str, block: str) -> str | None:
+    """Replace the body of the innermost run with `block` (a def named __NAME__)."""
+    tree = ast.parse(source)
+    node = base_run(tree, source)
+    if node is None:
+        return None
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    text = MARK.format(name) + "\n" + block.replace("__NAME__", node.name).strip("\n")
+    out = _replace_lines(source, start, node.end_lineno, text)
+    if B.HELPERS_MARK not in out:
+        out = out.rstrip("\n") + "\n\n\n" + B.HELPERS
+    return ensure_import(out, "re")
+
+
+def bump_constants(source: str, pattern: str, fn: Callable[[int], int]) -> str | None:
+    """Apply fn to every module-level int constant whose NAME matches `pattern`."""
+    tree = ast.parse(source)
+    out, changed = source, False
+    for node in reversed(tree.body):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and re.search(pattern, node.targets[0].id) and isinstance(node.value, ast.Constant) \
+                and type(node.value.value) is int:
+            out = _replace_lines(out, node.lineno, node.end_lineno, f"{node.targets[0].id} = {fn(node.value.value)}")
+            changed = True
+    return out if changed else None
+
+
+def stamp_docstring(source: str, hypothesis: str, mechanism: str, parent: str) -> str:
+    """Put Hypothesis/Mechanism/Parent first in the module docstring; older ones become 'Earlier ...'."""
+    header = f"Hypothesis: {hypothesis}\nMechanism: {mechanism}\nParent: {parent}\n\n"
+    tree = ast.parse(source)
+    first = tree.body[0] if tree.body else None
+    if first is not None and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str):
+        segment = ast.get_source_segment(source, first) or ""
+        m = re.match(r'^([rRuU]?)("""|\'\'\')', segment)
+        if m:
+            body = segment[len(m.group(0)):]
+            body = re.sub(r"^(\s*)(Hypothesis|Mechanism|Parent):", lambda x: f"{x.group(1)}Earlier {x.group(2).lower()}:",
+                          body, flags=re.MULTILINE)
+            head = header if m.group(1) else header.replace("\\", "\\\\")
+            return _replace_lines(source, first.lineno, first.end_lineno, m.group(0) + head + body)
+        return _replace_lines(source, first.lineno, first.end_lineno, '"""' + header.replace("\\", "\\\\") + '"""')
+    return '"""' + header.replace("\\", "\\\\") + '"""\n\n' + source
+
+
+# ----- the library -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    domains: tuple[str, ...]  # domain names, or ("*",) for every domain
+    hypothesis: str
+    apply: Callable[[str, random.Random], str | None]
+    prompt_only: bool = False  # changes only SYSTEM_PROMPT / USER_PROMPT
+    conflicts: tuple[str, ...] = ()
+
+    def applies_to(self, domain: str) -> bool:
+        return "*" in self.domains or domain in self.domains
+
+
+def _append_user_prompt(text: str) -> Callable[[str, random.Random], str | None]:
+    def apply(source, rng):
+        return edit_prompt(source, "USER_PROMPT",
+                           lambda old, fmt: None if escape_braces(text, fmt).strip() in old
+                           else old.rstrip() + "\n" + escape_braces(text, fmt))
+    return apply
+
+
+def _rewrite_system_prompt(domain: str) -> Callable[[str, random.Random], str | None]:
+    def apply(source, rng):
+        options = B.SYSTEM_PROMPTS.get(domain, B.SYSTEM_PROMPTS["*"])
+        choice = rng.choice(options)
+        return edit_prompt(source, "SYSTEM_PROMPT", lambda old, fmt: escape_braces(choice, fmt))
+    return apply
+
+
+def _wrap(name: str, block: str, *, needs: str = "", imports: tuple[str, ...] = ()):
+    def apply(source, rng):
+        if needs and needs not in source:
+            return None
+        return wrap_run(source, name, block, imports)
+    return apply
+
+
+def _more_search_turns(source, rng):
+    tree = ast.parse(source)
+    node = _module_assign(tree, "USER_PROMPT")
+    if node is None or "env.search(" not in source or not isinstance(node.value, ast.Constant) \
+            or prompt_fields(node.value.value) != {"question"}:
+        return None
+    return replace_base_run(source, "more_search_turns", B.SEARCH_TURNS_RUN)
+
+
+def _longer_passages(source, rng):
+    return bump_constants(source, r"^(MAX_)?PASSAGE_(WORDS|CHARS|TOKENS)$", lambda v: v * 2)
+
+
+LIBRARY: list[Mutation] = [
+    # generic
+    Mutation("majority_vote", ("*",), "Sampling several completions and keeping the most common answer removes "
+             "one-off sampling errors at temperature 1.", _wrap("majority_vote", B.MAJORITY_VOTE)),
+    *[Mutation(f"system_prompt_rewrite_{d}", (d,), "A system prompt that states the strategy and the answer format "
+               "keeps a small model on task.", _rewrite_system_prompt(d), prompt_only=True)
+      for d in ("searchqa", "math", "chess")],
+    Mutation("system_prompt_rewrite", ("*",), "A system prompt that asks for care and the exact answer format "
+             "keeps a small model on task.", _rewrite_system_prompt("*"), prompt_only=True),
+    # search QA
+    Mutation("more_passages", ("searchqa",), "The top-1 passage often misses the answer; the top 3 passages, "
+             "shortened, contain it more often.", _wrap("more_passages", B.MORE_PASSAGES, needs="env.search(")),
+    Mutation("longer_passages", ("searchqa",), "Passages are cut before the sentence with the answer; twice the "
+             "length keeps it.", _longer_passages),
+    Mutation("query_rewrite", ("searchqa",), "BM25 matches content words; dropping question words and punctuation "
+             "from queries retrieves the right passage more often.",
+             _wrap("query_rewrite", B.QUERY_REWRITE, needs="env.search(")),
+    Mutation("force_retrieval", ("searchqa",), "The model often answers without searching; retrieving for the "
+             "question up front puts evidence in every prompt.", _wrap("force_retrieval", B.FORCE_RETRIEVAL)),
+    Mutation("retrieved_titles", ("searchqa",), "A line listing the titles retrieved so far tells the model which "
+             "entities it already has evidence for.", _wrap("retrieved_titles", B.RETRIEVED_TITLES)),
+    Mutation("final_format_reminder", ("searchqa",), "Answers fail exact match when they are sentences; asking for "
+             "only the short entity fixes the format.", _append_user_prompt(B.SEARCHQA_REMINDER), prompt_only=True),
+    Mutation("more_search_turns", ("searchqa",), "Two-hop questions need a second search; up to three search turns "
+             "let the model find the bridge entity first.", _more_search_turns),
+    # math
+    Mutation("python_first", ("math",), "Small models make arithmetic slips; a Python program run before solving "
+             "gives the model a computed result to rely on.", _wrap("python_first", B.PYTHON_FIRST)),
+    Mutation("boxed_reminder", ("math",), "Many replies never reach a boxed answer; a firm reminder to end with it "
+             "raises the parse rate.", _append_user_prompt(B.BOXED_REMINDER), prompt_only=True),
+    Mutation("retry_parse_failure", ("math",), "When the submission has no boxed answer, one short prefilled "
+             "follow-up call recovers a gradable answer.", _wrap("retry_parse_failure", B.RETRY_PARSE)),
+    Mutation("self_check", ("math",), "Asking the model to check its solution before submitting catches some "
+             "wrong answers.", _wrap("self_check", B.SELF_CHECK)),
+    # chess
+    Mutation("legal_move_list", ("chess",), "Free-text moves are often illegal; listing the legal moves lets the "
+             "model copy one.", _wrap("legal_move_list", B.LEGAL_MOVE_LIST), conflicts=("annotate_moves",)),
+    Mutation("annotate_moves", ("chess",), "Tactics start with checks, captures and mates; annotating each legal "
+             "move with them (computed from the FEN) points the model at the forcing moves.",
+             _wrap("annotate_moves", B.ANNOTATE_MOVES), conflicts=("legal_move_list",)),
+    Mutation("constrained_choice", ("chess",), "Choosing among env.legal_moves with llm(..., choices=...) makes "
+             "every move legal and draws it from the model's own preferences.",
+             _wrap("constrained_choice", B.CONSTRAINED_CHOICE)),
+    Mutation("illegal_retry", ("chess",), "A refused move wastes a turn; re-choosing among the legal moves right "
+             "away keeps the line going.", _wrap("illegal_retry", B.ILLEGAL_RETRY)),
+    Mutation("chess_hint", ("chess",), "Reminding the model to look for checks and captures first focuses it on "
+             "forcing moves.", _append_user_prompt(B.CHESS_HINT), prompt_only=True),
+]
+
+
+def mutations_for(domain: str, prompt_only: bool = False) -> list[Mutation]:
+    out = [m for m in LIBRARY if m.applies_to(domain) and (m.prompt_only or not prompt_only)]
+    if any(m.name.startswith("system_prompt_rewrite_") for m in out):
+        out = [m for m in out if m.name != "system_prompt_rewrite"]
+    return out
+
+
+def apply_mutation(mutation: Mutation, source: str, parent: str, rng: random.Random) -> str | None:
+    """The mutated, docstring-stamped source, or None when the mutation does not apply."""
+    if has_mutation(source, mutation.name) or any(has_mutation(source, c) for c in mutation.conflicts):
+        return None
+    try:
+        new = mutation.apply(source, rng)
+    except (SyntaxError, ValueError):
+        return None
+    if new is None:
+        return None
+    new = stamp_docstring(new, mutation.hypothesis, mutation.name, parent)
+    if not mutation.prompt_only and MARK.format(mutation.name) not in new:
+        new = new.rstrip("\n") + "\n\n" + MARK.format(mutation.name) + " (constants changed above)\n"
+    return new
+
+
+class MutationProposer:
+    """Offline, seeded proposer; see the module docstring. `last_error` says why it came back short."""
+
+    name = "mutation"
+
+    def __init__(self, seed: int = 0, cfg: Config | None = None):
+        self.seed = seed
+        self.cfg = cfg or Config()
+        self.last_error: str | None = None
+        self.last_usage: dict[str, float] = {}
+
+    def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
+        self.last_error, self.last_usage = None, {}
+        rng = random.Random(f"{self.seed}/{context.weights_version}/{context.incoming_id}/{context.iteration}")
+        muts = mutations_for(domain.name, context.prompt_only)
+        ranked = archive.ranking(context.weights_version) or [context.incoming_id]
+        weights = [1.0 / (i + 1) for i in range(len(ranked))]  # better parents more often
+        known = {archive.meta(cid)["code_hash"] for cid in archive.ids()}
+        out: list[Proposal] = []
+        for _ in range(40 * max(1, n)):
+            if len(out) >= n or not muts:
+                break
+            parent = rng.choices(ranked, weights)[0]
+            mutation = rng.choice(muts)
+            new = apply_mutation(mutation, archive.source(parent), parent, rng)
+            if new is None:
+                continue
+            reason = static_check(new, self.cfg, base_source=context.base_source or archive.source(parent),
+                                  prompt_only=context.prompt_only)
+            h = code_hash(new)
+            if reason is not None or h in known:
+                continue
+            known.add(h)
+            out.append(Proposal(source=new, hypothesis=mutation.hypothesis, mechanism=mutation.name,
+                                notes=f"mutation {mutation.name} of {parent}", parent=parent))
+        if len(out) < n:
+            self.last_error = (f"only {len(out)} of {n} mutations applied (domain {domain.name!r}: "
+                               f"{len(muts)} mechanisms, parents {ranked[:5]})")
+        return out

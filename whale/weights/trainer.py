@@ -1,0 +1,368 @@
+"""The SFT half of online RSFT: one epoch over accepted rows, in place on the served model.
+
+What it computes (the paper's `update_sft_policy`): rows are grouped by trajectory into
+mini-batches of `mini_batch_trajectories` trajectories; each mini-batch is ONE clipped AdamW step
+whose loss is the summed NLL of its loss-mask tokens divided by the number of loss-mask tokens in
+the whole mini-batch (a token mean over the mini-batch, not a mean of per-micro-batch means).
+Micro-batches packed by padded token count only bound memory; they do not change the gradient.
+
+Why a trainer of our own rather than TRL's `SFTTrainer`: the model is trained in place, between
+rollouts, on the same object the hf engine serves, and the optimizer and scheduler state must live
+across steps and phases (and across a kill, via `save`/`load`). `SFTTrainer` owns its model,
+dataset and loop per `train()` call.
+
+Chunked cross-entropy: Qwen3.5's ~248k vocabulary over long rows would make fp32 logits the largest
+tensor in training. We run the backbone to hidden states, keep only the positions that carry loss,
+and project them onto the lm_head in chunks under activation checkpointing, so at most one chunk of
+logits exists at a time, forward or backward. Prompt and tool-output positions are never projected.
+Architectures whose logits are not a plain `lm_head(hidden)` (soft-capping, logit scaling) fall back
+to the full-logits path; both give the same loss (tested).
+
+LoRA (our deviation from the paper's full fine-tuning, recorded in research/stack.md §2): all
+linear layers of the language model, never the lm_head, never a vision tower, no `modules_to_save`,
+so the adapter stays a plain PEFT folder that vLLM can load at runtime.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from whale.config import LoraConfig, WeightConfig
+from whale.weights.rows import TrainingRow
+
+# Module-name parts that mark a non-language tower of a multimodal model.
+_NON_TEXT_PARTS = ("visual", "vision", "multi_modal_projector", "mm_projector", "audio")
+# Config keys that make logits something other than lm_head(hidden): chunked CE would be wrong.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def is_non_text_module(name: str) -> bool:
+    return any(tag in part for part in name.split(".") for tag in _NON_TEXT_PARTS)
+
+
+def lora_target_modules(model: nn.Module, spec: str | list[str]) -> tuple[list[str], list[str]]:
+    """Pick LoRA targets on the language model only.
+
+    Returns (target suffixes, excluded full names) for peft's `target_modules`/`exclude_modules`.
+    Suffixes keep the adapter config conventional (q_proj, down_proj, ...); the exclusion list
+    removes same-named layers of a vision tower and the output head.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    names = [spec] if isinstance(spec, str) and spec != "all-linear" else spec
+    head = model.get_output_embeddings()
+    kept, dropped = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, Conv1D)):
+            continue
+        if names != "all-linear" and name.split(".")[-1] not in names:
+            continue
+        (dropped if module is head or is_non_text_module(name) else kept).append(name)
+    if not kept:
+        raise ValueError(f"weight.lora.target_modules={spec!r} matches no linear layer of the language model")
+    suffixes = sorted({n.split(".")[-1] for n in kept})
+    excluded = [n for n in dropped if n.split(".")[-1] in suffixes]
+    return suffixes, excluded
+
+
+def wrap_lora(model: nn.Module, lora: LoraConfig, seed: int = 0) -> nn.Module:
+    """Return a peft model around `model` (modified in place); adapter init is seeded."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    suffixes, excluded = lora_target_modules(model, lora.target_modules)
+    config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=suffixes, exclude_modules=excluded or None,
+                            bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def pack_micro_batches(rows: list[TrainingRow], max_tokens: int) -> list[list[TrainingRow]]:
+    """Greedy packing by padded size (rows x longest row <= max_tokens), longest rows first so
+    similar lengths share a micro-batch. A row longer than max_tokens gets a micro-batch alone."""
+    out: list[list[TrainingRow]] = []
+    for row in sorted(rows, key=lambda r: len(r.input_ids), reverse=True):
+        if out and (len(out[-1]) + 1) * len(out[-1][0].input_ids) <= max_tokens:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def _chunk_nll(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+class Trainer:
+    """Online SFT on the engine's model. `train_step(rows)` is one RSFT weight update.
+
+    Parameters:
+        model: the causal LM the engine serves (wrapped with LoRA here unless `finetune: full`).
+        tokenizer: its tokenizer (pad id; saved next to full checkpoints).
+        cfg: `WeightConfig`.
+        seed: adapter init and mini-batch shuffling.
+        temperature: logits are divided by it, as in the paper (T = sampling temperature = 1.0).
+        chunked: use chunked cross-entropy; None = when the architecture allows it.
+        chunk_tokens: loss positions per lm_head chunk.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, cfg: WeightConfig, seed: int = 0, *,
+                 temperature: float = 1.0, chunked: bool | None = None, chunk_tokens: int = 1024):
+        if temperature <= 0:
+            raise ValueError(f"training temperature must be > 0, got {temperature}")
+        if cfg.mini_batch_trajectories < 1 or cfg.micro_batch_tokens < 1:
+            raise ValueError("weight.mini_batch_trajectories and weight.micro_batch_tokens must be >= 1")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+        self.step = 0  # optimizer steps taken, across train_step calls and phases
+        self.version: str | None = None
+        self._rng = random.Random(seed)
+
+        from peft import PeftModel
+
+        if cfg.finetune == "lora":
+            self.model = model if isinstance(model, PeftModel) else wrap_lora(model, cfg.lora, seed)
+        else:
+            self.model = model
+            for name, p in model.named_parameters():
+                p.requires_grad_(not is_non_text_module(name))
+        if cfg.gradient_checkpointing:
+            self._base().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if cfg.finetune == "lora":
+                self.model.enable_input_require_grads()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("nothing to train: the model has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warmup = cfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        supported = self._head_split() is not None
+        if chunked and not supported:
+            raise ValueError("chunked cross-entropy is not supported for this architecture")
+        self.chunked = supported if chunked is None else chunked
+        self.model.eval()
+
+    # ------------------------------------------------------------------ model plumbing
+    def _base(self) -> nn.Module:
+        """The transformers causal LM inside the (possibly peft-wrapped) model."""
+        from peft import PeftModel
+
+        return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    def _head_split(self) -> tuple[nn.Module, nn.Linear] | None:
+        """(backbone returning hidden states, lm_head) when logits == lm_head(hidden), else None."""
+        base = self._base()
+        head = base.get_output_embeddings()
+        backbone = getattr(base, "model", None)
+        if not isinstance(head, nn.Linear) or not isinstance(backbone, nn.Module):
+            return None
+        configs = [base.config, base.config.get_text_config()]
+        for c in configs:
+            for key in _LOGIT_TRANSFORMS:
+                if getattr(c, key, None) not in (None, 1, 1.0):
+                    return None
+        return backbone, head
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def attach(self, engine: Any) -> None:
+        """Make the engine serve the trained object (the peft wrapper after LoRA wrapping)."""
+        engine.model = self.model
+
+    def _collate(self, rows: list[TrainingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(r.input_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            n = len(r.input_ids)
+            ids[i, :n] = torch.tensor(r.input_ids)
+            attn[i, :n] = 1
+            mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+        dev = self.device
+        return ids.to(dev), attn.to(dev), mask.to(dev)
+
+    def _nll_sum(self, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor,
+                 chunked: bool | None = None) -> torch.Tensor:
+        """Summed NLL of the tokens with mask 1 (token t predicted from positions < t)."""
+        chunked = self.chunked if chunked is None else chunked
+        select = mask[:, 1:]
+        targets = ids[:, 1:][select]
+        if chunked:
+            backbone, head = self._head_split()  # type: ignore[misc]
+            out = backbone(input_ids=ids, attention_mask=attn, use_cache=False)
+            hidden = out.last_hidden_state[:, :-1][select]
+            total = hidden.new_zeros((), dtype=torch.float32)
+            for i in range(0, hidden.shape[0], self.chunk_tokens):
+                total = total + checkpoint(_chunk_nll, hidden[i:i + self.chunk_tokens], head.weight, head.bias,
+                                           targets[i:i + self.chunk_tokens], self.temperature, use_reentrant=False)
+            return total
+        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        return _chunk_nll_from_logits(logits[:, :-1][select], targets, self.temperature)
+
+    # ------------------------------------------------------------------ training
+    @torch.no_grad()
+    def mean_nll(self, rows: list[TrainingRow], chunked: bool | None = None) -> float:
+        """Token-mean NLL over the loss-mask tokens of `rows`, without training (eval mode)."""
+        total, count = 0.0, 0
+        for micro in pack_micro_batches(rows, self.cfg.micro_batch_tokens):
+            ids, attn, mask = self._collate(micro)
+            total += float(self._nll_sum(ids, attn, mask, chunked))
+            count += int(mask[:, 1:].sum())
+        return total / max(count, 1)
+
+    def minibatches(self, rows: list[TrainingRow]) -> list[list[TrainingRow]]:
+        """Rows grouped by trajectory, trajectories shuffled, `mini_batch_trajectories` per batch."""
+        groups: dict[str, list[TrainingRow]] = {}
+        for r in rows:
+            groups.setdefault(r.trajectory_key, []).append(r)
+        keys = list(groups)
+        self._rng.shuffle(keys)
+        m = self.cfg.mini_batch_trajectories
+        return [[r for k in keys[i:i + m] for r in groups[k]] for i in range(0, len(keys), m)]
+
+    def train_step(self, rows: list[TrainingRow]) -> dict[str, float]:
+        """One epoch over `rows`: one clipped optimizer step per mini-batch of trajectories."""
+        if not rows:
+            raise ValueError("train_step needs at least one training row")
+        t0 = time.perf_counter()
+        total_nll, loss_tokens, input_tokens, steps, norms = 0.0, 0, 0, 0, []
+        self.model.train()
+        try:
+            for batch in self.minibatches(rows):
+                n_loss = sum(int(sum(r.loss_mask[1:])) for r in batch)
+                if n_loss == 0:
+                    continue
+                for micro in pack_micro_batches(batch, self.cfg.micro_batch_tokens):
+                    ids, attn, mask = self._collate(micro)
+                    nll = self._nll_sum(ids, attn, mask)
+                    (nll / n_loss).backward()
+                    total_nll += float(nll.detach())
+                    input_tokens += int(attn.sum())
+                max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+                norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_tokens += n_loss
+                steps += 1
+                self.step += 1
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.eval()
+        return {
+            "loss": total_nll / max(loss_tokens, 1),
+            "trained_tokens": loss_tokens,
+            "input_tokens": input_tokens,
+            "rows": len(rows),
+            "optimizer_steps": steps,
+            "grad_norm": max(norms) if norms else 0.0,
+            "lr": self.scheduler.get_last_lr()[0],
+            "seconds": time.perf_counter() - t0,
+        }
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | Path, version: str) -> Path:
+        """Write the adapter (PEFT folder) or full weights plus `trainer_state.pt`, atomically:
+        into a temp sibling that replaces `directory` only once complete."""
+        directory = Path(directory)
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp)
+        if self.cfg.finetune == "full" and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tmp)
+        state = {
+            "finetune": self.cfg.finetune,
+            "version": version,
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "python_rng": self._rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        torch.save(state, tmp / "trainer_state.pt")
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+        self.version = version
+        return directory
+
+    def load(self, directory: str | Path) -> str:
+        """Restore weights, optimizer, scheduler, step and RNG from `save`; returns the version."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        state_path = directory / "trainer_state.pt"
+        if not state_path.exists():
+            raise ValueError(f"{directory} is not a trainer checkpoint (no trainer_state.pt)")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        if state["finetune"] != self.cfg.finetune:
+            raise ValueError(f"{directory} holds a '{state['finetune']}' checkpoint but weight.finetune "
+                             f"is '{self.cfg.finetune}'")
+        device = str(self.device)
+        if self.cfg.finetune == "lora":
+            from peft import set_peft_model_state_dict
+
+            weights = load_file(directory / "adapter_model.safetensors", device=device)
+            result = set_peft_model_state_dict(self.model, weights)
+            if result.unexpected_keys:
+                raise ValueError(f"{directory}: adapter does not fit this model "
+                                 f"(unexpected {result.unexpected_keys[:3]})")
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"{directory} has no *.safetensors weights")
+            weights = {}
+            for f in files:
+                weights.update(load_file(f, device=device))
+            result = self.model.load_state_dict(weights, strict=False)
+            current = self.model.state_dict()
+            loaded = {current[k].data_ptr() for k in weights if k in current}
+            untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded]
+            if result.unexpected_keys or untied:
+                raise ValueError(f"{directory}: weights do not fit this model "
+                                 f"(unexpected {result.unexpected_keys[:3]}, missing {untied[:3]})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self._rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.version = state["version"]
+        return self.version
+
+
+def _chunk_nll_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return F.cross_entropy(logits, targets, reduction="sum")
