@@ -209,19 +209,23 @@ def test_tools_reach_the_template_and_calls_are_parsed(engine):
     assert call.tool_calls[0]["function"]["name"] == "search"
 
 
-def _save_adapter(tiny_model_dir, out, seed):
+def _save_adapter(tiny_model_dir, out, seed, r=4):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=32, target_modules="all-linear",
+    peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
                                                  init_lora_weights=False))
     peft_model.save_pretrained(out)
     return out
 
 
-def test_load_weights_adapter_full_and_version(tiny_model_dir, tmp_path):
+def _lora_param(model):
+    return next(p for n, p in model.named_parameters() if "lora_A" in n)
+
+
+def test_load_weights_adapter_and_version(tiny_model_dir, tmp_path):
     eng = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu")
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     base = one(eng, greedy, messages=USER)
@@ -229,10 +233,16 @@ def test_load_weights_adapter_full_and_version(tiny_model_dir, tmp_path):
     g1 = one(eng, greedy, messages=USER)
     assert eng.weights_version == "v1" and g1.weights_version == "v1"
     assert g1.completion_ids != base.completion_ids
+    tensor = _lora_param(eng.model)
     eng.load_weights(str(_save_adapter(tiny_model_dir, tmp_path / "a2", 2)), "v2")
     g2 = one(eng, greedy, messages=USER)
     assert len(eng.model.peft_config) == 1 and g2.completion_ids != g1.completion_ids
+    assert _lora_param(eng.model) is tensor  # same shape: copied in place (a trainer's optimizer stays valid)
     eng.load_weights(str(tmp_path / "a1"), "v1-again")  # replacing, not stacking: same output as v1
+    assert one(eng, greedy, messages=USER).completion_ids == g1.completion_ids
+    eng.load_weights(str(_save_adapter(tiny_model_dir, tmp_path / "a3", 1, r=8)), "v3")  # other rank
+    assert len(eng.model.peft_config) == 1 and _lora_param(eng.model).shape[0] == 8
+    eng.load_weights(str(tmp_path / "a1"), "v1-third")
     assert one(eng, greedy, messages=USER).completion_ids == g1.completion_ids
     eng.load_weights(None, "trained-in-place")
     assert one(eng, greedy, messages=USER).weights_version == "trained-in-place"
@@ -240,6 +250,24 @@ def test_load_weights_adapter_full_and_version(tiny_model_dir, tmp_path):
     assert one(eng, greedy, messages=USER).completion_ids == base.completion_ids
     with pytest.raises(ValueError, match="neither a PEFT adapter"):
         eng.load_weights(str(tmp_path), "bad")
+
+
+def test_load_weights_full_model_in_place(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    changed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.5)
+    changed.save_pretrained(tmp_path / "full")
+    eng = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    base = one(eng, greedy, messages=USER)
+    tensor = next(eng.model.parameters())
+    eng.load_weights(str(tmp_path / "full"), "ft1")
+    assert next(eng.model.parameters()) is tensor
+    g = one(eng, greedy, messages=USER)
+    assert g.completion_ids != base.completion_ids and g.weights_version == "ft1"
 
 
 def test_generate_keeps_training_mode(engine):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Strict(BaseModel):
@@ -28,6 +28,11 @@ class ModelConfig(_Strict):
     max_model_len: int = 4096
     max_batch_size: int = Field(32, description="hf: most sequences generated together")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _null_backend(cls, v):
+        return "null" if v is None else v  # `--set model.backend=null` parses as YAML null
 
 
 class SamplingConfig(_Strict):
@@ -123,8 +128,11 @@ class HarnessSearchConfig(_Strict):
     prompt_only: bool = False
     agent_command: str | None = Field(None, description="agent_cli: shell command; {brief} {workspace} substituted")
     agent_timeout_s: float = 2400
+    agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
+                                 "(e.g. its API key); all others are scrubbed except PATH and HOME")
     chat_model: str | None = None
     chat_base_url: str | None = None
+    chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
     chat_max_turns: int = 24
     null_probe_items: int = 64
     null_probe_min_drop: float = Field(0.05, description="flag when score(real) - score(null) is below this")

@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from whale.config import ConfigError  # noqa: E402
-from whale.store import read_metrics  # noqa: E402
+from whale.store import BUDGET_PURPOSES, read_metrics  # noqa: E402
 
 PHASE_COLORS = {"weight": "#dbe9f6", "harness": "#f6e3db"}
 
@@ -159,7 +159,7 @@ def write_report(run_dir: str | Path) -> Path:
              "|---|---|---|", f"| {_fmt(s['final'])} | {_fmt(s['best'])} | {_fmt(s['val_selected'])} |", "",
              "## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
     for purpose, n in sorted(led.get("rollouts", {}).items()):
-        lines.append(f"| {purpose} | {n} | {'yes' if purpose in ('weight', 'harness') else 'recorded only'} |")
+        lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
     lines += ["", f"LLM calls {led.get('llm_calls', 0)}, tokens {led.get('tokens', 0)} "
               f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
               f"proposer time {led.get('proposer_seconds', 0)} s.", "",

@@ -24,7 +24,8 @@ from whale.config import Config, ConfigError
 from whale.domains import load_domain
 from whale.engine import make_engine
 from whale.evaluate import evaluate
-from whale.harness.runner import RolloutRunner, derive_seed
+from whale.executor import make_executor
+from whale.harness.runner import derive_seed
 from whale.schedule import Progress, Schedule
 from whale.store import RunDir, fingerprint_model, fingerprint_problems
 
@@ -69,7 +70,7 @@ class Experiment:
         self.engine = make_engine(cfg)
         if "model_fingerprint" not in state:
             state["model_fingerprint"] = fingerprint_model(getattr(self.engine, "model_path", "") or "")
-        self.runner = RolloutRunner(self.engine, self.domain, cfg)
+        self.runner = make_executor(cfg, self.engine, self.domain)
         self.unit = "start"
         self.runner.journal = lambda t: self.run_dir.journal(self.unit, t)
         self.archive = Archive(run.path)

@@ -27,8 +27,10 @@ from whale.config import Config, ConfigError, config_from_dict, dump_config
 import yaml
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
-BUDGET_PURPOSES = ("weight", "harness")
-RECORDED_PURPOSES = ("eval", "rescore", "smoke", "null_probe", "redone")
+# The re-scoring of the incoming harness is the first harness iteration (DESIGN §11), so it counts;
+# it keeps its own line in the ledger so reports can show it apart.
+BUDGET_PURPOSES = ("weight", "harness", "rescore")
+RECORDED_PURPOSES = ("eval", "smoke", "null_probe", "redone")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -183,7 +185,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             continue  # a torn last line after a kill
     keyed: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        keyed[(r.get("unit"), r.get("event"), r.get("split"), r.get("harness"))] = i
+        keyed[(r.get("unit"), r.get("event"), r.get("split"), r.get("tag"), r.get("iteration"),
+               r.get("candidate", r.get("id")))] = i
     keep = set(keyed.values())
     return [r for i, r in enumerate(rows) if i in keep or r.get("unit") is None]
 

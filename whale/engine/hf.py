@@ -104,7 +104,7 @@ class HFEngine:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self._cache_kw = self._cache_kwarg()
-        self._adapter_count = 0
+        self._adapter_count = 0  # names of adapters loaded beside another one
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -378,39 +378,70 @@ class HFEngine:
         """Serve new weights under the tag `version`.
 
         None: the model was trained in place, only the tag changes. A PEFT adapter folder
-        (adapter_config.json) replaces the previous adapter on the base model. A full model folder
-        (config.json) replaces the model.
+        (adapter_config.json) replaces the current adapter; a full model folder (config.json)
+        replaces the weights. Both copy into the existing parameters when the shapes match, so a
+        trainer holding this model (and its optimizer) keeps working on the same tensors.
         """
         if path is not None:
             folder = Path(path)
             if (folder / "adapter_config.json").is_file():
                 self._load_adapter(folder)
             elif (folder / "config.json").is_file():
-                from transformers import AutoModelForCausalLM
-
-                old = self.model
-                self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
-                del old
-                self._cache_kw = self._cache_kwarg()
-                self._free_cuda()
+                self._load_full(folder)
             else:
                 raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
                                  "nor a model folder (config.json)")
         self.weights_version = version
 
-    def _load_adapter(self, folder: Path) -> None:
+    def _load_full(self, folder: Path) -> None:
         from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-        self._adapter_count += 1
-        name = f"whale_{self._adapter_count}"
-        # is_trainable: the trainer may continue training the served adapter in place (e.g. on resume).
+        new = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype)
+        if not isinstance(self.model, PeftModel):
+            ours, theirs = self.model.state_dict(), new.state_dict()
+            if ours.keys() == theirs.keys() and all(ours[k].shape == theirs[k].shape for k in ours):
+                with torch.no_grad():
+                    self.model.load_state_dict(theirs)
+                return
+        self.model = new.to(self.device).eval()  # other architecture, or drop the adapter wrapper
+        self._cache_kw = self._cache_kwarg()
+        self._free_cuda()
+
+    @staticmethod
+    def _adapter_shape(cfg) -> tuple:
+        """What must agree for an adapter's weights to be copied into another adapter's tensors."""
+        def norm(v):
+            return v if v is None or isinstance(v, str) else sorted(v)
+
+        return (str(cfg.peft_type), getattr(cfg, "r", None), getattr(cfg, "lora_alpha", None),
+                norm(getattr(cfg, "target_modules", None)), norm(getattr(cfg, "exclude_modules", None)),
+                getattr(cfg, "use_rslora", None), getattr(cfg, "use_dora", None), getattr(cfg, "bias", None),
+                sorted(getattr(cfg, "rank_pattern", None) or {}), sorted(getattr(cfg, "alpha_pattern", None) or {}))
+
+    def _load_adapter(self, folder: Path) -> None:
+        from peft import PeftConfig, PeftModel
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+
         if isinstance(self.model, PeftModel):
+            active = self.model.active_adapter
+            config = PeftConfig.from_pretrained(str(folder))
+            if self._adapter_shape(config) == self._adapter_shape(self.model.peft_config[active]):
+                weights = load_peft_weights(str(folder), device=str(self.device))
+                result = set_peft_model_state_dict(self.model, weights, adapter_name=active)
+                missing = [k for k in result.missing_keys if "lora_" in k and f".{active}." in k]
+                if not result.unexpected_keys and not missing:
+                    return  # copied into the active adapter's tensors
+            # Different shape: load beside it, switch, and drop every other adapter.
+            self._adapter_count += 1
+            name = f"whale_{self._adapter_count}"
             self.model.load_adapter(str(folder), adapter_name=name, is_trainable=True)
             self.model.set_adapter(name)
             for other in [a for a in self.model.peft_config if a != name]:
                 self.model.delete_adapter(other)
         else:
-            self.model = PeftModel.from_pretrained(self.model, str(folder), adapter_name=name, is_trainable=True)
+            # is_trainable: the trainer may continue training the served adapter (e.g. on resume).
+            self.model = PeftModel.from_pretrained(self.model, str(folder), is_trainable=True)
         self.model.to(self.device).eval()
 
     def _free_cuda(self) -> None:

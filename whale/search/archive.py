@@ -13,7 +13,8 @@ Meta-Harness's ablation found raw trace access to be what makes a proposer good 
       <id>/scores.json         {weights_version: {success_rate, mean_llm_calls, mean_tokens, n,
                                rollouts, errors}}
       <id>/traces.jsonl        every harness-split episode (no token ids), tagged "scored_under"
-      _proposals/<tag>/        proposer transcripts (not shown to later proposers)
+      _proposals/<tag>/        round.json (proposer, error, usage, candidate ids) and the
+                               proposer's transcript (not shown to later proposers)
 
 Only harness-split traces ever go here; weight-phase rollouts and val/test evaluations live
 elsewhere in the run directory. Scores are keyed by the weights version they were measured under,
@@ -130,6 +131,14 @@ class Archive:
         if cid not in self._meta:
             raise KeyError(f"no harness {cid!r} in the archive {self.root}")
         return dict(self._meta[cid])
+
+    def all_meta(self) -> list[dict[str, Any]]:
+        return [dict(self._meta[cid]) for cid in self.ids()]
+
+    def all_scores(self, cid: str) -> dict[str, dict[str, Any]]:
+        """{weights_version: scores} of one candidate."""
+        self.meta(cid)
+        return {v: dict(s) for v, s in self._scores[cid].items()}
 
     def source(self, cid: str) -> str:
         self.meta(cid)

@@ -53,6 +53,8 @@ RULES = """\
 7. Do not run benchmarks or evaluate candidates yourself: evaluation happens outside, on the
    harness-search split, after you finish.
 8. Standard library only{extra}; keep the file under {max_bytes} bytes.
+9. The model must do the work: a harness whose score barely drops when the model is replaced by
+   random output (a null-engine probe) is rejected. Help the model; do not answer for it.
 """
 
 READ = """\
@@ -77,25 +79,25 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
     extra_text = f" plus {', '.join(extra)}" if extra else ""
     b = cfg.domain.budget
     parts = [
-        f"# Harness search brief: domain `{domain.name}`\n",
+        f"# Harness search brief: domain `{domain.name}`\n\n",
         "You are improving the harness (the program around a language model) for this task. "
         "Read the archive, find why episodes fail, and write new candidate harnesses.\n",
-        "## The harness contract\n", CONTRACT.replace("{extra}", extra_text),
+        "\n## The harness contract\n\n", CONTRACT.replace("{extra}", extra_text),
         f"Budgets here: {b.llm_calls} LLM calls, {b.tool_calls} tool calls, {b.tokens} tokens, "
         f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
         f"at most {cfg.sampling.max_tokens_cap}.\n",
-        "## The domain\n", str(getattr(domain, "brief", "")).strip() + "\n",
-        "## What to read\n", READ.format(archive=archive_path, version=weights_version),
-        "## Where things stand\n",
+        "\n## The domain\n\n", str(getattr(domain, "brief", "")).strip() + "\n",
+        "\n## What to read\n\n", READ.format(archive=archive_path, version=weights_version),
+        "\n## Where things stand\n\n",
         f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
     ]
     for p in (frontier or [])[:8]:
         parts.append(f"- frontier: `{p['id']}` success_rate={p['success_rate']:.3f} "
                      f"mean_llm_calls={p['mean_llm_calls']:.2f}\n")
-    parts += ["\n## Rules\n", RULES.format(n=n, extra=extra_text, max_bytes=cfg.harness.max_file_bytes)]
+    parts += ["\n## Rules\n\n", RULES.format(n=n, extra=extra_text, max_bytes=cfg.harness.max_file_bytes)]
     if prompt_only:
         parts += [
-            "\n## Prompt-only mode\n",
+            "\n## Prompt-only mode\n\n",
             "You may change ONLY the values of SYSTEM_PROMPT and USER_PROMPT (and the module "
             "docstring). Every other line must stay exactly as in this base harness; anything else "
             "is rejected by an AST comparison. Keep any format placeholders the code fills in.\n\n",

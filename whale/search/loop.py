@@ -10,9 +10,10 @@ pass the null-engine probe (guard.py), or the next best one is taken.
 Everything that happens is a history row handed to `on_iteration(row)` (the caller writes them to
 metrics.jsonl): rescore, candidate (evaluated), invalid, duplicate, proposer_failure, null_probe,
 iteration_end, accept. After every row `state_dict()` is consistent; the caller saves it then.
-Resume: proposals are archived (status "pending") before any is validated, so a killed phase
-re-proposes only if it died while the proposer ran, and redoes at most the one pending candidate
-that was being evaluated.
+Resume (`load_state_dict`, then `run_phase` with the same incoming id and weights version):
+proposals are archived (status "pending") before any is validated, so a killed phase re-proposes
+only if it died while the proposer ran, and redoes at most the one pending candidate that was
+being evaluated.
 
 Adaptive mode (patience on the search signal, as in the paper's adaptive schedule): at least
 1 + harness.min_iterations and at most 1 + harness.max_iterations iterations; stop once
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config
-from whale.search.archive import Archive
+from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
 from whale.search.guard import null_probe
 from whale.search.proposers import ProposalContext
@@ -45,9 +47,11 @@ class PhaseResult:
 
 class HarnessSearch:
     def __init__(self, cfg: Config, domain, runner, archive: Archive, proposer, ledger_callback=None, *,
-                 null_runner=None, workspace_root: str | Path | None = None, progress: bool = True):
+                 splits: dict[str, list] | None = None, null_runner=None, workspace_root: str | Path | None = None,
+                 progress: bool = True):
         """`ledger_callback(purpose, trajectories)` is called after every batch of rollouts
-        (purposes: harness, smoke, null_probe) so the caller's ledger counts them all."""
+        (purposes: rescore (iteration 1), harness, smoke, null_probe) so the caller's ledger
+        counts them all."""
         self.cfg = cfg
         self.domain = domain
         self.runner = runner
@@ -58,8 +62,9 @@ class HarnessSearch:
         self._own_null_runner = False
         self.workspace_root = Path(workspace_root) if workspace_root else archive.run_dir / "proposer"
         self.progress = progress
-        self._problems: list | None = None
+        self._problems: list | None = list(splits["harness"]) if splits is not None else None
         self._state: dict[str, Any] = {}
+        self._resumed = False
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
 
@@ -68,7 +73,10 @@ class HarnessSearch:
         return copy.deepcopy(self._state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next run_phase with the same incoming id and weights version continues this state;
+        without a load, every run_phase call is a new phase (even with an unchanged version)."""
         self._state = copy.deepcopy(state)
+        self._resumed = True
 
     def harness_problems(self) -> list:
         if self._problems is None:
@@ -79,15 +87,25 @@ class HarnessSearch:
 
     # ----- phase ---------------------------------------------------------------------------------
     def run_phase(self, incoming_id: str, weights_version: str, iterations: int | None = None, *,
-                  adaptive: bool = False, on_iteration: Callable[[dict], None] | None = None) -> PhaseResult:
-        self.archive.meta(incoming_id)  # a clear KeyError for an unknown id
+                  adaptive: bool = False, on_iteration: Callable[[dict], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> PhaseResult:
+        """Run (or resume) one harness phase. `should_stop()` is asked before every proposer
+        iteration (a unit boundary), so a rollout budget can end the phase early."""
+        status = self.archive.meta(incoming_id)["status"]  # a clear KeyError for an unknown id
+        if status in ("invalid", "duplicate"):
+            raise ValueError(f"incoming harness {incoming_id} is {status} ({self.archive.meta(incoming_id)['reason']}); "
+                             "a phase must start from a valid harness")
         self._history, self._on_iteration = [], on_iteration
         st = self._state
-        if not (st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version):
-            self._state = st = {"incoming_id": incoming_id, "weights_version": weights_version, "done": 0,
-                                "best_rate": None, "stale": 0, "pending": None, "accepted": None}
-        if st.get("accepted"):
-            return PhaseResult(st["accepted"], st["done"], [])
+        resume = self._resumed and st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version
+        self._resumed = False
+        if resume and st.get("accepted"):
+            return PhaseResult(st["accepted"], st["done"], [])  # killed after the phase, before the caller moved on
+        if not resume:
+            self._state = st = {"phase": max(st.get("phase", 0), self._last_phase_on_disk()) + 1,
+                                "incoming_id": incoming_id,
+                                "weights_version": weights_version, "done": 0, "best_rate": None, "stale": 0,
+                                "pending": None, "accepted": None}
         if adaptive:
             first_stop, last = 1 + self.cfg.harness.min_iterations, 1 + self.cfg.harness.max_iterations
         else:
@@ -97,6 +115,9 @@ class HarnessSearch:
             first_stop = last
         while st["done"] < last:
             it = st["done"] + 1
+            if it > 1 and should_stop is not None and should_stop():
+                self._emit({"event": "phase_stopped", "iteration": st["done"], "reason": "should_stop (budget)"})
+                break
             if it == 1:
                 st["best_rate"], st["stale"] = self._rescore(incoming_id, weights_version), 0
             else:
@@ -114,6 +135,12 @@ class HarnessSearch:
         self._emit({"event": "accept", "iteration": st["done"], "id": accepted,
                     **(self.archive.scores(accepted, weights_version) or {})})
         return PhaseResult(accepted, st["done"], list(self._history))
+
+    def _last_phase_on_disk(self) -> int:
+        """Highest phase number among proposal folders, so a fresh HarnessSearch never reuses a tag."""
+        found = [int(m.group(1)) for d in (self.archive.root / "_proposals").glob("p*")
+                 if (m := re.match(r"p(\d+)-", d.name))]
+        return max(found, default=0)
 
     def close(self) -> None:
         if self.null_runner is not None and self._own_null_runner:
@@ -137,12 +164,13 @@ class HarnessSearch:
         if self.ledger_callback is not None:
             self.ledger_callback(purpose, trajectories)
 
-    def _evaluate(self, cid: str, version: str) -> dict[str, Any]:
+    def _evaluate(self, cid: str, version: str, purpose: str = "harness") -> dict[str, Any]:
+        """Evaluate on D_harness; `purpose` tells the ledger a search rollout from a re-score."""
         problems = self.harness_problems()
         trajs = self.runner.run(self.archive.source(cid), problems, self.cfg.harness.samples_per_example,
                                 harness_id=cid, seed=self._seed(version), purpose="harness",
                                 progress=f"harness {cid}" if self.progress else None)
-        self._count("harness", trajs)
+        self._count(purpose, trajs)
         gold = {p.id: p.answer for p in problems} if self.cfg.domain.show_gold_in_traces else None
         return self.archive.record_scores(cid, version, trajs, gold=gold)
 
@@ -150,7 +178,7 @@ class HarnessSearch:
         scores = self.archive.scores(cid, version)
         reused = scores is not None
         if not reused:
-            scores = self._evaluate(cid, version)
+            scores = self._evaluate(cid, version, purpose="rescore")
         self._emit({"event": "rescore", "iteration": 1, "id": cid, "reused": reused, **scores})
         return scores["success_rate"]
 
@@ -175,7 +203,7 @@ class HarnessSearch:
         m = self.cfg.harness.candidates_per_iteration
         prompt_only = self.cfg.harness.prompt_only
         base = self.archive.source(incoming)
-        tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"{version}-{incoming}-it{it:02d}")
+        tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
         brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
                            frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base)
         ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
@@ -188,7 +216,10 @@ class HarnessSearch:
         except Exception as e:  # noqa: BLE001 - a proposer bug must not end the run
             proposals, error = [], f"proposer raised {type(e).__name__}: {e}"
         usage = dict(getattr(self.proposer, "last_usage", {}) or {})
+        round_info = {"tag": tag, "phase": self._state["phase"], "iteration": it, "weights_version": version,
+                      "incoming_id": incoming, "proposer": name, "error": error, "usage": usage, "ids": []}
         if not proposals:
+            atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
             self._emit({"event": "proposer_failure", "iteration": it, "proposer": name,
                         "reason": error or "proposer returned no candidates", "usage": usage})
             return []
@@ -199,14 +230,20 @@ class HarnessSearch:
         for p in proposals[:m]:
             parent = p.parent if p.parent in self.archive.ids() else incoming
             ids.append(self.archive.add_candidate(p.source, parent, name, p.hypothesis, p.mechanism, p.notes))
+        round_info["ids"] = ids
+        atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
         return ids
 
     def _handle(self, cid: str, it: int, version: str) -> None:
         """Validate and evaluate one pending candidate (already handled ones are left alone)."""
         meta = self.archive.meta(cid)
-        if meta["status"] != "pending":
-            return  # handled before a resume
         row = {"iteration": it, "id": cid, "parent": meta["parent"], "mechanism": meta["mechanism"]}
+        if meta["status"] != "pending":  # handled before a kill: report it again, in case its row was lost
+            scored = meta.get("duplicate_of", cid)
+            self._emit({"event": {"valid": "candidate"}.get(meta["status"], meta["status"]), **row,
+                        "status": meta["status"], "reason": meta.get("reason") or meta.get("validation", ""),
+                        "resumed": True, **(self.archive.scores(scored, version) or {})})
+            return
         dup = self.archive.evaluated(meta["code_hash"], version)
         if dup is not None:
             reason = f"same code as {dup}, already evaluated under weights {version}"

@@ -297,8 +297,9 @@ class ChatProposer:
         tools = ChatTools(root, workspace / "candidates", n)
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": context.brief},
-            {"role": "user", "content": f"The archive is your file tools' root. Read it, then call write_candidate "
-                                        f"exactly {n} time(s) and finish."},
+            {"role": "user", "content": f"The archive is the root of your file tools. You have no shell: instead of "
+                                        f"writing files, submit each candidate with write_candidate. Read the archive, "
+                                        f"then call write_candidate exactly {n} time(s) and finish."},
         ]
         log = []
         started, tokens, turns = time.monotonic(), 0, 0
@@ -410,9 +411,29 @@ class ChatTools:
         return "ok"
 
 
+def make_proposer(cfg):
+    """The proposer named by cfg.harness.proposer, with a clear error for missing settings."""
+    from whale.config import ConfigError
+
+    h = cfg.harness
+    if h.proposer == "mutation":
+        from whale.search.mutation import MutationProposer  # imports this module: import it late
+
+        return MutationProposer(seed=cfg.seed, cfg=cfg)
+    if h.proposer == "agent_cli":
+        if not h.agent_command:
+            raise ConfigError("harness.proposer 'agent_cli' needs harness.agent_command "
+                              "(a shell command; {workspace} and {brief} are substituted)")
+        return AgentCLIProposer(h.agent_command, h.agent_timeout_s, tuple(h.agent_env))
+    if not (h.chat_model and h.chat_base_url):
+        raise ConfigError("harness.proposer 'chat' needs harness.chat_model and harness.chat_base_url "
+                          "(an OpenAI-compatible endpoint)")
+    return ChatProposer(h.chat_model, h.chat_base_url, h.chat_api_key_env, max_turns=h.chat_max_turns)
+
+
 def file_mode_is_read_only(path: Path) -> bool:
     return not (os.stat(path).st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
 __all__ = ["Proposal", "ProposalContext", "Proposer", "AgentCLIProposer", "ChatProposer", "ChatTools",
-           "HTTPTransport", "ReplayTransport", "build_workspace", "collect_candidates", "remove_tree"]
+           "HTTPTransport", "ReplayTransport", "build_workspace", "collect_candidates", "remove_tree", "make_proposer"]

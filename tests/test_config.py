@@ -1,0 +1,61 @@
+import pytest
+
+from whale.config import ConfigError, Config, apply_override, dump_config, load_config
+
+
+def test_defaults_validate():
+    cfg = Config()
+    assert cfg.sampling.top_k == 20 and cfg.weight.accept_threshold == 0.5
+
+
+def test_unknown_key_names_the_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("weight:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'weight.learning_rate'"):
+        load_config(p)
+
+
+def test_bad_value_names_key_and_value():
+    with pytest.raises(ConfigError, match=r"config key 'sampling.temperature'.*-1"):
+        load_config(None, ["sampling.temperature=-1"])
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(None, ["weight.lr=1e-4", "eval.splits=[test]", "schedule.kind=weight_only", "name=x y"])
+    assert cfg.weight.lr == 1e-4 and cfg.eval.splits == ["test"] and cfg.schedule.kind == "weight_only"
+    assert cfg.name == "x y"
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_override({}, "weight.lr")
+
+
+def test_bad_choice_lists_the_value():
+    with pytest.raises(ConfigError, match="schedule.kind"):
+        load_config(None, ["schedule.kind=sometimes"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = load_config(None, ["seed=3", "domain.name=chess"])
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+
+
+@pytest.mark.parametrize("name", ["demo", "searchqa_cpu", "math_cpu", "chess_cpu", "searchqa_qwen3.5-2b",
+                                  "math_qwen3.5-2b", "chess_qwen3.5-4b"])
+def test_shipped_configs_validate(name):
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
+    load_config(path)
