@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeat", type=int, default=1, help="measure each case this many times (best kept)")
+    ap.add_argument("--no-raw", action="store_true", help="skip the model.generate comparison")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -68,17 +70,22 @@ def main() -> None:
     for b in args.batch:
         reqs = [GenerationRequest([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], seed=i)
                 for i in range(b)]
-        t = time.time()
-        gens = engine.generate(reqs, sampling)
-        dt = time.time() - t
-        ntok = sum(g[0].completion_tokens for g in gens)
-        prompts = [g[0].prompt_ids for g in gens]
-        t = time.time()
-        raw = raw_generate(engine, prompts, sampling)
-        raw_dt = time.time() - t
-        print(f"batch {b:3d}: engine {ntok} tok in {dt:.2f} s = {ntok / dt:6.1f} tok/s | "
-              f"model.generate {raw} tok in {raw_dt:.2f} s = {raw / raw_dt:6.1f} tok/s")
-
+        best, best_raw = 0.0, 0.0
+        for _ in range(args.repeat):  # alternate the two, so machine noise hits both alike
+            t = time.time()
+            gens = engine.generate(reqs, sampling)
+            dt = time.time() - t
+            ntok = sum(g[0].completion_tokens for g in gens)
+            best = max(best, ntok / dt)
+            line = f"batch {b:3d}: engine {ntok} tok in {dt:.2f} s = {ntok / dt:6.1f} tok/s"
+            if not args.no_raw:
+                t = time.time()
+                raw = raw_generate(engine, [g[0].prompt_ids for g in gens], sampling)
+                raw_dt = time.time() - t
+                best_raw = max(best_raw, raw / raw_dt)
+                line += f" | model.generate {raw} tok in {raw_dt:.2f} s = {raw / raw_dt:6.1f} tok/s"
+            print(line, flush=True)
+        print(f"batch {b:3d} best: engine {best:.1f} tok/s" + ("" if args.no_raw else f", model.generate {best_raw:.1f} tok/s"))
 
 if __name__ == "__main__":
     main()

@@ -118,6 +118,9 @@ def test_n_samples_and_server_that_ignores_n(server):
     [gens] = eng.generate([req], SAMPLING)
     assert len(gens) == 3 and len(server.requests) == 4  # asked again for the missing samples
     assert [b["seed"] for _, b, _ in server.requests[1:]] == [100, 101, 102]  # sample i uses seed + i
+    server.mode = "echo"
+    [gens] = eng.generate([req], SamplingParams(temperature=0.0))
+    assert len(gens) == 3 and [b["n"] for _, b, _ in server.requests[4:]] == [1, 1, 1]  # vLLM: greedy needs n=1
 
 
 def test_prefill_template_kwargs_and_finish_length(server):

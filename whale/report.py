@@ -196,7 +196,7 @@ def write_report(run_dir: str | Path) -> Path:
                   "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
         for r in harness_rows:
             sr = r.get("success_rate")
-            lines.append(f"| {r['unit']} | {r['event']} | {r.get('candidate', '')} | {r.get('weights_version')} | "
+            lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
                          f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:80]} |")
         lines.append("")
         if has_lineage:

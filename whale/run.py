@@ -223,7 +223,7 @@ class Experiment:
             self.log("weight_step", **result.to_json())
             console.print(f"  step {step}: accept {result.accept_rate:.3f} ({result.accepted}/{result.rollouts}), "
                           f"rows {result.rows}, loss {result.loss if result.loss is None else round(result.loss, 4)}, "
-                          f"gen {result.gen_seconds:.0f}s train {result.train_seconds:.0f}s  [{result.reason}]")
+                          f"gen {result.gen_seconds:.0f}s train {result.train_seconds:.0f}s  ({result.reason})")
             self.save()
             every = self.cfg.eval.every_steps
             phase_over = self.schedule.weight_phase_over(self.progress)
@@ -294,6 +294,10 @@ class Experiment:
         def on_iteration(row: dict[str, Any]) -> None:
             self.unit = f"c{st['cycle']}-h{row.get('iteration', '?')}"
             self.progress.harness_iterations += 1 if row.get("event") == "iteration_end" else 0
+            if row.get("event") == "proposer_usage":
+                usage = row.get("usage") or {}
+                self.run_dir.ledger.proposer_seconds += float(usage.get("seconds", 0.0))
+                self.run_dir.ledger.proposer_tokens += int(usage.get("tokens", 0))
             self.log(row.get("event", "harness"), **{k: v for k, v in row.items() if k != "event"})
             st["search"] = search.state_dict()
             self.save()

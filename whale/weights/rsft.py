@@ -29,7 +29,7 @@ from typing import Any, Callable
 from whale.config import WeightConfig
 from whale.domains.base import Problem
 from whale.harness.trajectory import Trajectory
-from whale.weights.rows import TrainingRow, load_rows, rows_from_trajectories, save_rows
+from whale.weights.rows import load_rows, rows_from_trajectories, save_rows
 
 
 class ProblemStream:

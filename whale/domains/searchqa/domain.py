@@ -5,7 +5,9 @@
   (NQ/HotpotQA-style rows from `data_path`, optional `options.test_path`);
 - retrieval: `retriever_url` (a Search-R1 `/retrieve` server) if set, else BM25 over
   `corpus_path` (wiki-18 style jsonl) if set, else over the Factbook passages (offline only);
-- `grader`: "em" (default), "subspan" or "judge" (`judge_model`, `options.judge_base_url`).
+- `grader`: "em" (default), "subspan" or "judge" (`judge_model`, `options.judge_base_url`);
+- `options.templates`: offline only, a subset of the Factbook templates (e.g. [capital, currency]
+  for an easier CPU demo).
 
 The BM25 index is built lazily on the first `make_env`, once per domain object, and shared by
 every episode's `search` tool (calls arrive from the runner's tool threads).
@@ -104,7 +106,7 @@ class SearchQADomain:
         d = self.cfg.domain
         sizes = d.splits.model_dump()
         if d.source == "offline":
-            return data.make_splits(list(factbook.build_questions()), sizes, self.cfg.seed, "the offline Factbook set")
+            return data.make_splits(self._offline_questions(), sizes, self.cfg.seed, "the offline Factbook set")
         problems = data.load_searchr1(d.data_path, d.options.get("hf_split"))
         held_out = None
         if d.options.get("test_path"):
@@ -133,6 +135,19 @@ class SearchQADomain:
             else:
                 self._retriever = BM25Retriever(factbook.load_passages())
         return self._retriever
+
+    def _offline_questions(self) -> list[Problem]:
+        """Factbook questions, optionally only the templates in `domain.options.templates`."""
+        chosen = self.cfg.domain.options.get("templates")
+        if chosen is None:
+            return list(factbook.build_questions())
+        if isinstance(chosen, str):
+            chosen = [chosen]
+        unknown = sorted(set(chosen) - set(factbook.TEMPLATES))
+        if unknown or not chosen:
+            raise ConfigError(f"domain.options.templates: unknown {unknown or 'empty list'}; "
+                              f"choose from {list(factbook.TEMPLATES)}")
+        return [p for p in factbook.build_questions() if p.source in chosen]
 
     def _corpus_label(self) -> str:
         d = self.cfg.domain

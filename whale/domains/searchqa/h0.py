@@ -1,8 +1,13 @@
 """Base harness h0 for search QA: deliberately weak, like the paper's SQA base harness.
 
-Turn 1: the model may ask for one search as <search>query</search> (only the first query is used,
-top-1 passage, cut to ~200 words). Turn 2: the answer turn, prefilled with "<answer>" so even a
-small model produces a tagged answer. Two model calls at most.
+Turn 1: the model writes one search query, prefilled with "<search>" (only the first line of the
+query is used; top-1 passage, cut to ~200 words). Turn 2: the answer turn, prefilled with
+"<answer>" so even a small model produces a tagged answer. Two model calls at most.
+
+Why the "<search>" prefill: the paper's h0 lets the model decide whether to search, but the 135M
+offline default never writes a search tag on its own (0 of 32 first turns), which would leave the
+weight phase with no accepted samples at all. With the prefill the model still chooses the query,
+so retrieval quality stays the model's (and a better harness's) job.
 """
 
 import re
@@ -29,12 +34,9 @@ def run(env, llm):
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": USER_PROMPT.format(question=env.question)},
     ]
-    first = str(llm(messages, max_tokens=128, stop=["</search>", "</answer>"]))
-    s_pos, a_pos = first.find("<search>"), first.find("<answer>")
-    if a_pos >= 0 and (s_pos < 0 or a_pos < s_pos):
-        env.submit("<answer>" + (_tag(first, "answer") or "") + "</answer>")
-        return
-    query = _tag(first, "search") if s_pos >= 0 else None
+    first = "<search>" + str(llm(messages + [{"role": "assistant", "content": "<search>"}],
+                                  max_tokens=32, stop=["</search>"]))
+    query = _tag(first, "search")
     if query:
         results = env.search(query.splitlines()[0], k=1)
         passage = "no results"

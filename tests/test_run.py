@@ -1,0 +1,139 @@
+"""End to end: schedules through `whale run`, reports, compare, and resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from whale.config import ConfigError, load_config
+from whale.report import compare_runs, write_report
+from whale.run import load_summary, run_experiment
+from whale.store import read_metrics
+
+TESTS = Path(__file__).resolve().parent
+
+
+def tiny_config(model_dir, **over):
+    sets = [
+        f"model.name={model_dir}", "model.max_model_len=480", "domain.module=toy:ParityDomain",
+        "domain.splits.weight=16", "domain.splits.harness=4", "domain.splits.val=4", "domain.splits.test=4",
+        "domain.budget.seconds=20", "sampling.max_tokens=8", "weight.problems_per_step=4",
+        "weight.samples_per_problem=2", "weight.mini_batch_trajectories=4", "harness.candidates_per_iteration=1",
+        "harness.null_probe_items=4", "harness.reject_flagged=false", "eval.k=2", "eval.every_steps=0",
+        "schedule.weight_epochs=0.5", "schedule.harness_iterations=2", "schedule.budget_epochs=1.0",
+        "runner.concurrency=8", "runner.grader_processes=1",
+    ] + [f"{k}={v}" for k, v in over.items()]
+    return load_config(None, sets)
+
+
+@pytest.fixture(autouse=True)
+def _tests_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def events(run_dir):
+    return [r.get("event") for r in read_metrics(run_dir)]
+
+
+def test_whale_schedule_runs_end_to_end(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir)
+    run_dir = run_experiment(cfg, out=tmp_path / "whale")
+    rows = read_metrics(run_dir)
+    phases = []
+    for r in rows:
+        p = "W" if r.get("event") == "weight_step" else "H" if r.get("event") == "iteration_end" else None
+        if p and (not phases or phases[-1] != p):
+            phases.append(p)
+    assert phases == ["W", "H", "W"]
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["phase"] == "done"
+    led = state["ledger"]
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    assert len(steps) == 4 and led["rollouts"]["weight"] == 4 * 4 * 2
+    assert led["rollouts"]["rescore"] == 4  # re-scoring of the incoming harness: 4 harness problems
+    assert led["budget_rollouts"] == led["rollouts"]["weight"] + led["rollouts"].get("harness", 0) + 4
+    trained = [r for r in steps if r["weights_version"]]
+    assert trained, "the parity grader accepts about half of the samples, so some steps must train"
+    assert state["weights_version"] == trained[-1]["weights_version"]
+    assert (run_dir / "weights" / state["weights_version"] / "adapter_config.json").exists()
+    evals = [r for r in rows if r.get("event") == "eval"]
+    assert {r["tag"] for r in evals} >= {"initial", "final"}
+    report = write_report(run_dir)
+    text = report.read_text()
+    assert "val-selected" in text and "| weight |" in text
+    assert (run_dir / "report" / "accuracy_vs_rollouts.png").stat().st_size > 1000
+    s = load_summary(run_dir)
+    assert s["final"] is not None and s["best"] >= s["final"]
+
+
+def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
+    wo = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only"}), out=tmp_path / "wo")
+    assert "iteration_end" not in events(wo) and events(wo).count("weight_step") == 2
+    ho = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "harness_only",
+                                                       "schedule.harness_iterations": 2}), out=tmp_path / "ho")
+    assert "weight_step" not in events(ho) and events(ho).count("iteration_end") == 2
+    state = json.loads((ho / "state.json").read_text())
+    assert state["weights_version"] == "base"
+    md = compare_runs([wo, ho], tmp_path / "cmp").read_text()
+    assert "weight_only" in md and "harness_only" in md and "paired bootstrap" in md
+
+
+def test_resume_refuses_changed_config(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "schedule.budget_epochs": 0.25})
+    run_dir = run_experiment(cfg, out=tmp_path / "r")
+    changed = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "weight.lr": 0.5})
+    with pytest.raises(ConfigError, match="differs"):
+        run_experiment(changed, resume=run_dir)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_experiment(cfg, out=run_dir)
+
+
+def _start(cfg_path, out):
+    return subprocess.Popen([sys.executable, "-m", "whale.cli", "run", str(cfg_path), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.mark.parametrize("kill_after", [
+    "rows/step_0.jsonl",             # rollouts of step 0 persisted: killed in or right after training
+    "harnesses/h0/scores.json",      # in the harness phase, after the re-scoring
+    "evals/eval-c0-h-val.jsonl",     # in the evaluation at the end of the harness phase
+])
+def test_resume_after_sigkill(tiny_model_dir, tmp_path, kill_after):
+    cfg = tiny_config(tiny_model_dir)
+    cfg_path = tmp_path / "cfg.yaml"
+    from whale.config import dump_config
+
+    cfg_path.write_text(dump_config(cfg))
+    out = tmp_path / "run"
+    proc = _start(cfg_path, out)
+    deadline = time.time() + 240
+    while not (out / kill_after).exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline, f"{kill_after} never appeared"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # resume in a fresh process, as a user would
+    res = subprocess.run([sys.executable, "-m", "whale.cli", "run", "--resume", str(out)], capture_output=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr.decode()[-3000:]
+    state = json.loads((out / "state.json").read_text())
+    assert state["phase"] == "done"
+    rows = read_metrics(out)
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    assert sorted(r["step"] for r in steps) == [0, 1, 2, 3]  # every step exactly once
+    # weight rollouts counted once per step, never twice, whatever the kill interrupted
+    assert state["ledger"]["rollouts"]["weight"] == 4 * 4 * 2
+    evals = [(r["unit"]) for r in rows if r.get("event") == "eval"]
+    assert len(evals) == len(set(evals))
+    # the archive is intact: every candidate has code and meta, h0 scored under base weights
+    for d in (out / "harnesses").iterdir():
+        if d.is_dir() and not d.name.startswith("_"):
+            assert (d / "harness.py").exists() and json.loads((d / "meta.json").read_text())["id"] == d.name
+    assert "base" in json.loads((out / "harnesses" / "h0" / "scores.json").read_text())
