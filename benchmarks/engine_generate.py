@@ -64,7 +64,8 @@ def main() -> None:
 
     t0 = time.time()
     engine = HFEngine(args.model, dtype=args.dtype, device=args.device, max_batch_size=max(args.batch))
-    print(f"load {time.time() - t0:.1f} s  device={engine.device} dtype={engine.dtype} threads={torch.get_num_threads()}")
+    print(f"load {time.time() - t0:.1f} s  device={engine.device} dtype={engine.dtype} "
+          f"threads={torch.get_num_threads()}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, max_tokens=args.max_tokens)
     engine.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=4, seed=0)], sampling)
     for b in args.batch:
@@ -85,7 +86,8 @@ def main() -> None:
                 best_raw = max(best_raw, raw / raw_dt)
                 line += f" | model.generate {raw} tok in {raw_dt:.2f} s = {raw / raw_dt:6.1f} tok/s"
             print(line, flush=True)
-        print(f"batch {b:3d} best: engine {best:.1f} tok/s" + ("" if args.no_raw else f", model.generate {best_raw:.1f} tok/s"))
+        raw_note = "" if args.no_raw else f", model.generate {best_raw:.1f} tok/s"
+        print(f"batch {b:3d} best: engine {best:.1f} tok/s{raw_note}")
 
 if __name__ == "__main__":
     main()

@@ -193,7 +193,8 @@ def test_tool_call_parsing():
     assert json.loads(calls[0]["function"]["arguments"]) == {"query": "Paris"}
     bare = parse_tool_calls('```json\n{"name": "move", "parameters": {"uci": "e2e4"}}\n```')
     assert bare[0]["function"] == {"name": "move", "arguments": '{"uci": "e2e4"}'}
-    assert parse_tool_calls('{"name": "f", "arguments": "{\\"a\\": 1}"} trailing')[0]["function"]["arguments"] == '{"a": 1}'
+    stringly = parse_tool_calls('{"name": "f", "arguments": "{\\"a\\": 1}"} trailing')
+    assert stringly[0]["function"]["arguments"] == '{"a": 1}'
     assert parse_tool_calls("The capital is Paris.") is None
     assert parse_tool_calls('{"answer": 5}') is None
     assert parse_tool_calls("<tool_call>not json</tool_call>") is None

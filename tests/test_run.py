@@ -63,7 +63,9 @@ def test_whale_schedule_runs_end_to_end(tiny_model_dir, tmp_path):
     assert state["weights_version"] == trained[-1]["weights_version"]
     assert (run_dir / "weights" / state["weights_version"] / "adapter_config.json").exists()
     evals = [r for r in rows if r.get("event") == "eval"]
-    assert {r["tag"] for r in evals} >= {"initial", "final"}
+    assert evals[0]["tag"] == "initial"
+    # the run ends measured: the last evaluation is of the final (harness, weights) pair
+    assert (evals[-1]["harness"], evals[-1]["weights_version"]) == (state["harness_id"], state["weights_version"])
     report = write_report(run_dir)
     text = report.read_text()
     assert "val-selected" in text and "| weight |" in text
@@ -74,7 +76,7 @@ def test_whale_schedule_runs_end_to_end(tiny_model_dir, tmp_path):
 
 def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
     wo = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only"}), out=tmp_path / "wo")
-    assert "iteration_end" not in events(wo) and events(wo).count("weight_step") == 2
+    assert "iteration_end" not in events(wo) and events(wo).count("weight_step") == 4
     ho = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "harness_only",
                                                        "schedule.harness_iterations": 2}), out=tmp_path / "ho")
     assert "weight_step" not in events(ho) and events(ho).count("iteration_end") == 2
@@ -136,4 +138,6 @@ def test_resume_after_sigkill(tiny_model_dir, tmp_path, kill_after):
     for d in (out / "harnesses").iterdir():
         if d.is_dir() and not d.name.startswith("_"):
             assert (d / "harness.py").exists() and json.loads((d / "meta.json").read_text())["id"] == d.name
-    assert "base" in json.loads((out / "harnesses" / "h0" / "scores.json").read_text())
+    versions = {r["weights_version"] for r in steps if r["weights_version"]} | {"base"}
+    scored = json.loads((out / "harnesses" / "h0" / "scores.json").read_text())
+    assert scored and set(scored) <= versions  # h0 re-scored under the weights of its harness phase

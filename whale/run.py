@@ -148,6 +148,9 @@ class Experiment:
 
     # ------------------------------------------------------------------ evaluation
     def maybe_evaluate(self, tag: str) -> None:
+        pair = [self.state["harness_id"], self.state["weights_version"]]
+        if tag == "final" and self.state.get("last_eval_pair") == pair:
+            return  # the last evaluation already measured this (harness, weights) pair
         for split in self.cfg.eval.splits:
             unit = f"eval-{tag}-{split}"
             if unit in self.state["evals_done"]:
@@ -170,6 +173,7 @@ class Experiment:
                     self.state["val_best"] = {"mean_at_k": result.mean_at_k, "unit": unit, "tag": tag,
                                               "harness_id": hid, "weights_version": version}
             self.state["evals_done"].append(unit)
+            self.state["last_eval_pair"] = pair
             self.prune_weights()
             self.save()
 

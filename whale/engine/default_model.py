@@ -142,6 +142,7 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
     _log(f"converting {gguf.name} ({PACKAGE} {version}) to {target} (once, ~30 s) ...")
     start = time.time()
     tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache folder should look like any other
     try:
         convert_gguf(gguf, tmp)
         record = {

@@ -143,14 +143,12 @@ class HFEngine:
         results: list[list[Generation | None]] = []
         seqs: list[_Seq] = []
         choice_jobs = []
-        prompts: dict[int, list[int]] = {}
         for r, req in enumerate(requests):
             try:
                 prompt, max_new, n, seed, stop = self._check(req, sampling)
             except Exception as exc:  # one bad request fails one episode, never the batch
                 results.append([self._error(f"error: {exc}")])
                 continue
-            prompts[r] = prompt
             results.append([None] * n)
             if req.choices is not None:
                 choice_jobs.append((r, prompt, list(req.choices), [seed + i for i in range(n)]))
@@ -167,7 +165,7 @@ class HFEngine:
                     try:
                         picks = self._choose(prompt, choices, seeds, sampling.temperature)
                     except Exception as exc:
-                        results[r] = [self._error(f"error: {type(exc).__name__}: {exc}")]
+                        results[r] = [self._error(f"error: {exc}")]
                         continue
                     for i, c in enumerate(picks):
                         ids = self.tokenizer.encode(choices[c], add_special_tokens=False)
