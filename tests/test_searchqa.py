@@ -417,27 +417,27 @@ def test_h0_searches_once_with_top1_and_prefills_answer(domain):
     searched = []
     real = env.search
     env.search = lambda q, k=3: searched.append((q, k)) or real(q, k)
-    llm = ScriptedLLM("Let me look. <search>capital of Kenya\nsecond line", "Nairobi")
+    # turn 1 is prefilled with "<search>": the model writes only the query
+    llm = ScriptedLLM("capital of Kenya\nsecond line", "Nairobi")
     _load(domain.base_harness())["run"](EnvView(env), llm)
+    first, kw1 = llm.calls[0]
+    assert first[-1] == {"role": "assistant", "content": "<search>"} and kw1["stop"] == ["</search>"]
     assert searched == [("capital of Kenya", 1)]
     msgs, kw = llm.calls[1]
     assert msgs[-1] == {"role": "assistant", "content": "<answer>"} and kw["stop"] == ["</answer>"]
-    assert msgs[-3] == {"role": "assistant", "content": "Let me look. <search>capital of Kenya\nsecond line</search>"}
+    assert msgs[-3] == {"role": "assistant", "content": "<search>capital of Kenya\nsecond line</search>"}
     assert msgs[-2]["content"] == "<information>Kenya: Government > Capital > name\nNairobi</information>"
     assert env.submitted == "<answer>Nairobi</answer>" and domain.grade(p, env.submitted) == 1.0
 
 
-def test_h0_paths_without_search(domain):
+def test_h0_empty_query_answers_without_search(domain):
     p = Problem(id="x", question="What is the capital of Kenya?", answer=["Nairobi"])
     ns = _load(domain.base_harness())
-    env = domain.make_env(p)  # the model answers directly in turn 1
-    llm = ScriptedLLM("<answer> Nairobi ")
+    env = domain.make_env(p)
+    env.search = lambda *a, **k: pytest.fail("h0 searched with an empty query")
+    llm = ScriptedLLM("  ", "Nairobi</answer>")
     ns["run"](EnvView(env), llm)
-    assert len(llm.calls) == 1 and env.submitted == "<answer>Nairobi</answer>"
-    env = domain.make_env(p)  # no tag at all: turn 2 continues its own text after "<answer>"
-    llm = ScriptedLLM("I think it is in Africa.", "Nairobi</answer>")
-    ns["run"](EnvView(env), llm)
-    assert llm.calls[1][0][-1] == {"role": "assistant", "content": "I think it is in Africa.\n<answer>"}
+    assert llm.calls[1][0][-1]["content"].endswith("<answer>")
     assert env.submitted == "<answer>Nairobi</answer>"
 
 
@@ -468,6 +468,8 @@ class ReaderEngine:
             if msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == "<answer>":
                 info = [m["content"] for m in msgs if m["content"].startswith("<information>")]
                 text = info[-1].removesuffix("</information>").split("\n")[-1] if info else "unknown"
+            elif msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == "<search>":
+                text = msgs[-2]["content"].split("\n")[0].removeprefix("Question: ")  # the query
             else:
                 question = msgs[-1]["content"].split("\n")[0].removeprefix("Question: ")
                 text = f"<search>{question}"
