@@ -160,7 +160,8 @@ class ScheduleConfig(_Strict):
 class EvalConfig(_Strict):
     k: int = 8
     splits: list[str] = Field(default_factory=lambda: ["val", "test"])
-    every_steps: int = Field(10, description="evaluate every N weight steps (0: phase boundaries only)")
+    every_steps: int = Field(10, description="evaluate every N weight steps (0: never mid-phase)")
+    at_phase_ends: bool = Field(True, description="evaluate at every phase boundary (else only at start and end)")
     limit: int | None = Field(None, description="evaluate on the first N problems of each split")
 
 

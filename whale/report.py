@@ -222,22 +222,28 @@ def _final_test_per_problem(rows: list[dict]) -> list[float] | None:
 
 
 def paired_bootstrap(a: list[list[float]], b: list[list[float]], iters: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean difference a - b and its 95% interval, resampling problems (paired) and seeds.
+    """Mean difference a - b and its 95% interval, resampling seeds and problems, both paired.
 
-    a[s][i]: per-problem mean@k of method A with seed s on problem i (same problems for B)."""
+    a[s][i]: per-problem mean@k of method A with seed s on problem i; b[s][i] the same for B with
+    the same seed (same splits) and problem. Seeds and problems are drawn with replacement, the
+    same draws for both methods, so the interval reflects only what differs between them."""
+    pairs = [(x, y) for x, y in zip(a, b) if x and y]
+    if not pairs:
+        raise ValueError("paired bootstrap needs runs of both methods with the same seeds")
     rng = random.Random(seed)
-    n = min(len(x) for x in a + b)
-    diff = sum(sum(x[:n]) / n for x in a) / len(a) - sum(sum(x[:n]) / n for x in b) / len(b)
-    samples = []
-    for _ in range(iters):
-        idx = [rng.randrange(n) for _ in range(n)]
-        sa = [a[rng.randrange(len(a))] for _ in a]
-        sb = [b[rng.randrange(len(b))] for _ in b]
-        ma = sum(sum(x[i] for i in idx) / n for x in sa) / len(sa)
-        mb = sum(sum(x[i] for i in idx) / n for x in sb) / len(sb)
-        samples.append(ma - mb)
-    samples.sort()
-    return round(diff, 4), round(samples[int(0.025 * iters)], 4), round(samples[int(0.975 * iters) - 1], 4)
+
+    def diff(seeds: list[int], idx_of) -> float:
+        total = 0.0
+        for s in seeds:
+            x, y = pairs[s]
+            idx = idx_of(len(x))
+            total += sum(x[i] - y[i] for i in idx) / len(idx)
+        return total / len(seeds)
+
+    point = diff(list(range(len(pairs))), lambda n: range(n))
+    samples = sorted(diff([rng.randrange(len(pairs)) for _ in pairs], lambda n: [rng.randrange(n) for _ in range(n)])
+                     for _ in range(iters))
+    return round(point, 4), round(samples[int(0.025 * iters)], 4), round(samples[int(0.975 * iters) - 1], 4)
 
 
 def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Path:
@@ -265,15 +271,16 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Pat
         secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
         lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
     ref = methods[0]
-    ref_pp = [r["per_problem"] for r in by_method[ref] if r["per_problem"]]
-    if len(methods) > 1 and ref_pp:
-        lines += ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over problems and seeds (95%):", "",
-                  "| method | difference | 95% CI |", "|---|---|---|"]
+    ref_by_seed = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[ref] if r["per_problem"]}
+    if len(methods) > 1 and ref_by_seed:
+        lines += ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over seeds and problems "
+                  "(same seed = same splits; 95%):", "", "| method | seeds | difference | 95% CI |", "|---|---|---|---|"]
         for m in methods[1:]:
-            pp = [r["per_problem"] for r in by_method[m] if r["per_problem"]]
-            if pp:
-                d, lo, hi = paired_bootstrap(pp, ref_pp)
-                lines.append(f"| {m} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+            mine = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[m] if r["per_problem"]}
+            common = sorted(set(mine) & set(ref_by_seed))
+            if common:
+                d, lo, hi = paired_bootstrap([mine[s] for s in common], [ref_by_seed[s] for s in common])
+                lines.append(f"| {m} | {len(common)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
     # per-source breakdown of the final test evaluation
     lines += ["", "Per data source (final test evaluation, mean over runs):", ""]
     sources = sorted({s for m in methods for r in by_method[m] for s in _last_sources(r["rows"])})

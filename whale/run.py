@@ -237,7 +237,8 @@ class Experiment:
                 nxt = self.schedule.after_weight_phase(self.progress)
                 if nxt == "weight_more":
                     continue
-                self.maybe_evaluate(f"w{self.progress.weight_steps}")
+                if self.cfg.eval.at_phase_ends:
+                    self.maybe_evaluate(f"w{self.progress.weight_steps}")
                 st["phase"] = nxt
                 self.progress.phase_steps = 0
                 self.save()
@@ -319,7 +320,8 @@ class Experiment:
         self.unit = f"c{st['cycle']}-accept"
         self.log("harness_accepted", accepted=result.accepted_id, iterations=result.iterations)
         console.print(f"  accepted harness {result.accepted_id} after {result.iterations} iterations")
-        self.maybe_evaluate(f"c{st['cycle']}-h")
+        if self.cfg.eval.at_phase_ends:
+            self.maybe_evaluate(f"c{st['cycle']}-h")
         st["phase"] = self.schedule.after_harness_phase(self.progress)
         st["cycle"] += 1
         self.save()
