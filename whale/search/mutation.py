@@ -277,6 +277,12 @@ LIBRARY: list[Mutation] = [
              "entities it already has evidence for.", _wrap("retrieved_titles", B.RETRIEVED_TITLES)),
     Mutation("final_format_reminder", ("searchqa",), "Answers fail exact match when they are sentences; asking for "
              "only the short entity fixes the format.", _append_user_prompt(B.SEARCHQA_REMINDER), prompt_only=True),
+    Mutation("question_as_query", ("searchqa",), "The model writes poor queries (often an unrelated name); the "
+             "question itself retrieves the right passage ~95% of the time with BM25.",
+             _wrap("question_as_query", B.QUESTION_AS_QUERY, needs="env.search("), conflicts=("query_rewrite",)),
+    Mutation("answer_first_line", ("searchqa",), "After the right entity the model keeps writing (explanations, "
+             "new lines), which fails exact match; ending the answer at the first line keeps just the entity.",
+             _wrap("answer_first_line", B.ANSWER_FIRST_LINE, needs="<answer>")),
     Mutation("more_search_turns", ("searchqa",), "Two-hop questions need a second search; up to three search turns "
              "let the model find the bridge entity first.", _more_search_turns),
     # math
