@@ -69,7 +69,10 @@ class Experiment:
         self.state.setdefault("data_fingerprints", prints)
         self.engine = make_engine(cfg)
         if "model_fingerprint" not in state:
-            state["model_fingerprint"] = fingerprint_model(getattr(self.engine, "model_path", "") or "")
+            from whale.engine.default_model import resolve_model_path
+
+            local = cfg.model.backend in ("hf", "vllm")
+            state["model_fingerprint"] = fingerprint_model(resolve_model_path(cfg.model.name)) if local else {}
         self.runner = make_executor(cfg, self.engine, self.domain)
         self.unit = "start"
         self.runner.journal = lambda t: self.run_dir.journal(self.unit, t)
@@ -182,12 +185,17 @@ class Experiment:
         if self.trainer is None:
             from whale.weights.trainer import Trainer
 
-            if not hasattr(self.engine, "model"):
-                raise ConfigError(f"model.backend {self.cfg.model.backend!r} cannot be trained in this process; "
-                                  "use backend hf, or vllm (which trains an hf copy and loads adapters)")
-            self.trainer = Trainer(self.engine.model, self.engine.tokenizer, self.cfg.weight, seed=self.cfg.seed,
+            if hasattr(self.engine, "model"):  # hf: train the served model in place, no copy
+                model, tokenizer = self.engine.model, self.engine.tokenizer
+            elif self.cfg.model.backend == "vllm":  # train an hf copy; RSFT saves adapters and the server loads them
+                model, tokenizer = _training_model(self.cfg)
+            else:
+                raise ConfigError(f"model.backend {self.cfg.model.backend!r} serves inference only; "
+                                  "weight phases need backend hf or vllm")
+            self.trainer = Trainer(model, tokenizer, self.cfg.weight, seed=self.cfg.seed,
                                    temperature=max(self.cfg.sampling.temperature, 1e-3))
-            self.trainer.attach(self.engine)
+            if hasattr(self.engine, "model"):
+                self.trainer.attach(self.engine)
         return self.trainer
 
     def _restore_weights(self, version: str) -> None:
@@ -196,7 +204,8 @@ class Experiment:
             raise ConfigError(f"state.json names weights {version} but {path} is missing")
         trainer = self._ensure_trainer()
         trainer.load(path)
-        self.engine.load_weights(None, version)
+        in_place = getattr(self.engine, "model", None) is trainer.model
+        self.engine.load_weights(None if in_place else str(path), version)
 
     def weight_phase(self) -> None:
         from whale.weights.rsft import RSFT
@@ -328,6 +337,21 @@ class Experiment:
 
     def _search_ledger(self, purpose: str, trajectories: list) -> None:
         self.ledger_add(purpose, trajectories)
+
+
+def _training_model(cfg: Config):
+    """The model the trainer updates when the engine is a separate server (vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whale.engine.default_model import resolve_model_path
+
+    path = str(resolve_model_path(cfg.model.name))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        cfg.model.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:

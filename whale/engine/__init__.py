@@ -24,7 +24,8 @@ def make_engine(cfg: Config) -> Engine:
         from whale.engine.vllm import VLLMEngine
 
         return VLLMEngine(str(resolve_model_path(m.name)), base_url=m.base_url, extra_args=m.vllm_args,
-                          lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len)
+                          lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len,
+                          dtype=m.dtype)
     if m.backend == "openai":
         from whale.engine.openai import OpenAIEngine
 
