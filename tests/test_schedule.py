@@ -1,6 +1,5 @@
 """Each schedule's phase sequence, driven by the same state machine the run uses."""
 
-import pytest
 
 from whale.config import load_config
 from whale.schedule import Progress, Schedule

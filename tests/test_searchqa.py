@@ -26,17 +26,7 @@ from whale.domains.searchqa.retrieval import HTTPRetriever, split_contents
 FIXTURES = Path(__file__).parent / "fixtures" / "searchqa"
 
 # Closed-book comparison harness: same prompts and answer prefill as h0, never searches.
-NO_SEARCH_HARNESS = '''
-SYSTEM_PROMPT = "You answer factual questions."
-USER_PROMPT = "Question: {question}\\nGive the final answer inside <answer></answer> tags."
-
-def run(env, llm):
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": USER_PROMPT.format(question=env.question)},
-                {"role": "assistant", "content": "<answer>"}]
-    out = str(llm(messages, max_tokens=32, stop=["</answer>"]))
-    env.submit("<answer>" + out.split("</answer>")[0].strip() + "</answer>")
-'''
+NO_SEARCH_HARNESS = (Path(__file__).resolve().parent.parent / "examples" / "harnesses" / "searchqa_no_search.py").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -28,24 +28,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from whale.harness.trajectory import Trajectory
+from whale.store import atomic_write
 
 STATUSES = ("pending", "valid", "invalid", "duplicate")
 
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
