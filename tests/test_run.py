@@ -141,3 +141,21 @@ def test_resume_after_sigkill(tiny_model_dir, tmp_path, kill_after):
     versions = {r["weights_version"] for r in steps if r["weights_version"]} | {"base"}
     scored = json.loads((out / "harnesses" / "h0" / "scores.json").read_text())
     assert scored and set(scored) <= versions  # h0 re-scored under the weights of its harness phase
+
+
+def test_run_can_start_from_a_user_harness(tiny_model_dir, tmp_path):
+    from toy import H0
+
+    path = tmp_path / "mine.py"
+    path.write_text(H0.replace("You add numbers.", "You add numbers carefully."))
+    run_dir = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only",
+                                                            "schedule.budget_epochs": 0.25,
+                                                            "harness.initial": str(path)}), out=tmp_path / "u")
+    steps = [r for r in read_metrics(run_dir) if r.get("event") == "weight_step"]
+    assert steps and all(r["harness"] == "h1" for r in steps)
+    meta = json.loads((run_dir / "harnesses" / "h1" / "meta.json").read_text())
+    assert meta["parent"] == "h0" and meta["proposer"] == "user"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import socket\ndef run(env, llm):\n    pass\n")
+    with pytest.raises(ConfigError, match="harness.initial"):
+        run_experiment(tiny_config(tiny_model_dir, **{"harness.initial": str(bad)}), out=tmp_path / "b")

@@ -122,6 +122,8 @@ class PatienceConfig(_Strict):
 
 
 class HarnessSearchConfig(_Strict):
+    initial: str | None = Field(None, description="harness file to start from instead of the domain's h0 "
+                                "(archived as a child of h0)")
     proposer: Literal["mutation", "chat", "agent_cli"] = "mutation"
     candidates_per_iteration: int = Field(3, description="M")
     samples_per_example: int = 1

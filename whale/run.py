@@ -80,6 +80,20 @@ class Experiment:
         if "h0" not in self.archive.ids():
             self.archive.add_candidate(self.domain.base_harness(), parent=None, proposer="base",
                                        hypothesis="the domain's base harness h0", mechanism="base")
+            if cfg.harness.initial:
+                src_path = Path(cfg.harness.initial)
+                if not src_path.is_file():
+                    raise ConfigError(f"harness.initial: no such file {src_path}")
+                from whale.search.validate import static_check
+
+                problem = static_check(src_path.read_text(), cfg)
+                if problem:
+                    raise ConfigError(f"harness.initial {src_path}: {problem}")
+                hid = self.archive.add_candidate(src_path.read_text(), parent="h0", proposer="user",
+                                                 hypothesis=f"the user's starting harness {src_path.name}",
+                                                 mechanism="user")
+                self.archive.update_meta(hid, status="valid")
+                state["harness_id"] = hid
         from whale.weights.patience import WeightPatience
         from whale.weights.rsft import ProblemStream
 
