@@ -153,7 +153,8 @@ def write_report(run_dir: str | Path) -> Path:
     sched = cfg.get("schedule", {})
     lines = [f"# WHALE run report: {name}", "",
              f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
-             f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}",
+             f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
+             f"grader: **{cfg.get('domain', {}).get('grader')}**",
              f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s", "",
              "## Test mean@k", "", "| final | best (paper's, selected on test) | val-selected (honest) |",
              "|---|---|---|", f"| {_fmt(s['final'])} | {_fmt(s['best'])} | {_fmt(s['val_selected'])} |", "",
