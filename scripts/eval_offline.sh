@@ -9,6 +9,11 @@ mkdir -p "$OUT"
 for d in math chess searchqa; do
   whale eval --domain $d --harness h0 --split test --k 4 --limit 16 --json --out "$OUT/$d-h0" | tail -1 > "$OUT/$d-h0.json"
 done
+# math and chess: h0 against h0 with the mutations that constrain or tool the answer
+whale eval --domain chess --harness examples/harnesses/chess_constrained_choice.py --split test --k 4 --limit 16 --json \
+  --out "$OUT/chess-constrained" | tail -1 > "$OUT/chess-constrained.json"
+whale eval --domain math --harness examples/harnesses/math_python_first.py --split test --k 4 --limit 16 --json \
+  --out "$OUT/math-python-first" | tail -1 > "$OUT/math-python-first.json"
 for h in h0 examples/harnesses/searchqa_no_search.py examples/harnesses/searchqa_question_query.py; do
   n=$(basename "$h" .py)
   whale eval --domain searchqa --harness "$h" --split test --k 2 --limit 64 --json --out "$OUT/sqa64-$n" \
