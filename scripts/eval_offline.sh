@@ -17,7 +17,7 @@ whale eval --domain math --harness examples/harnesses/math_python_first.py --spl
 for h in h0 examples/harnesses/searchqa_no_search.py examples/harnesses/searchqa_question_query.py; do
   n=$(basename "$h" .py)
   whale eval --domain searchqa --harness "$h" --split test --k 2 --limit 64 --json --out "$OUT/sqa64-$n" \
-    --set 'domain.options={templates: [capital, currency]}' --set domain.splits.weight=256 \
+    --set 'domain.options={templates: [capital, currency]}' --set domain.splits.weight=256 --set domain.splits.harness=16 --set domain.splits.val=16 \
     | tail -1 > "$OUT/sqa64-$n.json"
 done
 python3 - "$OUT" <<'PY'

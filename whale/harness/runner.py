@@ -130,11 +130,16 @@ class _Batcher:
         self.busy_elsewhere = 0  # live episodes waiting on a tool (they will not call the engine soon)
         self.event = asyncio.Event()
         self.engine_free_at = time.monotonic()
+        self.first_pending_at = self.last_arrival_at = self.engine_free_at
         self.batches = 0
         self.task = asyncio.ensure_future(self._loop())
 
     def submit(self, request: GenerationRequest) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        if not self.pending:
+            self.first_pending_at = now
+        self.last_arrival_at = now
         self.pending.append(_Pending(request, fut))
         self.event.set()
         return fut
@@ -149,9 +154,13 @@ class _Batcher:
             self.event.clear()
             if not self.pending:
                 continue
-            deadline = max(self.engine_free_at, time.monotonic()) + self.window_s
+            # Wait while calls keep arriving: flush once every live episode is waiting, or no new
+            # call came for `window_s`, or the oldest call has waited 10 windows since the engine
+            # was free (episodes start and finish in bursts; a fixed window splits the bursts).
+            hard_deadline = max(self.engine_free_at, self.first_pending_at) + 10 * self.window_s
             while self.pending and len(self.pending) < self.live - self.busy_elsewhere:
-                timeout = deadline - time.monotonic()
+                now = time.monotonic()
+                timeout = min(self.last_arrival_at + self.window_s, hard_deadline) - now
                 if timeout <= 0:
                     break
                 try:
