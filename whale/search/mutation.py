@@ -1,7 +1,8 @@
 """The offline mutation proposer: a fixed library of real code transformations, seeded.
 
 A weak proposer by design. It does not read traces or reason about failures; it picks a parent
-(better archive members more often) and applies one transformation from a per-domain library
+(better archive members more often) and applies one transformation, not yet tried in the archive
+when one applies, from a per-domain library
 that encodes mechanisms known to help (retrieval up front, constrained move choice, majority
 votes, format reminders ...). It exists so the whole WHALE loop runs offline, in tests and on a
 laptop without an agent CLI or an API key; real searches should use `agent_cli` or `chat`.
@@ -351,12 +352,16 @@ class MutationProposer:
         ranked = archive.ranking(context.weights_version) or [context.incoming_id]
         weights = [1.0 / (i + 1) for i in range(len(ranked))]  # better parents more often
         known = {archive.meta(cid)["code_hash"] for cid in archive.ids()}
+        # Cover the library before repeating a mechanism: a small search budget otherwise keeps
+        # re-drawing the same few mutations and can miss the one that matters.
+        tried = {archive.meta(cid).get("mechanism") for cid in archive.ids()}
         out: list[Proposal] = []
-        for _ in range(40 * max(1, n)):
+        for attempt in range(40 * max(1, n)):
             if len(out) >= n or not muts:
                 break
             parent = rng.choices(ranked, weights)[0]
-            mutation = rng.choice(muts)
+            fresh = [m for m in muts if m.name not in tried]
+            mutation = rng.choice(fresh if fresh and attempt < 20 * max(1, n) else muts)
             new = apply_mutation(mutation, archive.source(parent), parent, rng)
             if new is None:
                 continue
@@ -366,6 +371,7 @@ class MutationProposer:
             if reason is not None or h in known:
                 continue
             known.add(h)
+            tried.add(mutation.name)
             out.append(Proposal(source=new, hypothesis=mutation.hypothesis, mechanism=mutation.name,
                                 notes=f"mutation {mutation.name} of {parent}", parent=parent))
         if len(out) < n:
