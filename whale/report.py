@@ -123,8 +123,8 @@ def _lineage_plot(run_dir: Path, accepted: list[str], path: Path) -> bool:
         pts = [(x, y, cid) for (cid, v), (x, y) in pos.items() if v == ver]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, label=f"weights {ver}", zorder=2)
         for x, y, cid in pts:
-            if cid in accepted:
-                ax.annotate(cid, (x, y), fontsize=7, xytext=(2, 3), textcoords="offset points")
+            ax.annotate(cid + (" (accepted)" if cid in accepted else ""), (x, y), fontsize=7, xytext=(2, 3),
+                        textcoords="offset points", fontweight="bold" if cid in accepted else "normal")
     ax.set_xlabel("candidate evaluation (order)")
     ax.set_ylabel("success rate on D_harness")
     ax.legend(fontsize=7)
