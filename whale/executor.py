@@ -39,7 +39,8 @@ from urllib.parse import urlparse
 from whale.config import Config, ConfigError
 from whale.domains import Domain, Problem, load_domain
 from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
-from whale.harness.runner import RolloutRunner, _Progress
+from whale.harness.progress import ProgressBar
+from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import Trajectory
 
 RAY_HINT = "pip install 'whale-opt[ray]'"
@@ -330,7 +331,7 @@ class RayExecutor:
         shards = [list(range(i, len(problems), len(self.actors))) for i in range(min(len(self.actors), len(problems)))]
         refs = {self.actors[s].run.remote((self.runs, s), harness_source, [problems[i] for i in idx], samples,
                                           harness_id, seed, purpose, state): s for s, idx in enumerate(shards)}
-        bar = _Progress(progress, len(problems) * samples)
+        bar = ProgressBar(progress, len(problems) * samples)
         outputs: dict[int, dict[str, Any]] = {}
         failures: list[str] = []
         pending = list(refs)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from whale.config import Config
 from whale.domains.base import Domain, EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
+from whale.harness.progress import ProgressBar
 from whale.harness.sandbox import UIDS, SandboxHost
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
 
@@ -237,7 +238,7 @@ class RolloutRunner:
         sem = asyncio.Semaphore(self.cfg.runner.concurrency)
         jobs = [(i, p, s) for i, p in enumerate(problems) for s in range(samples)]
         results: list[Trajectory | None] = [None] * len(jobs)
-        bar = _Progress(progress, len(jobs))
+        bar = ProgressBar(progress, len(jobs))
 
         async def one(j, idx, problem, sample):
             async with sem:
@@ -482,30 +483,3 @@ def _exit_reason(status: int | None) -> str:
         hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
         return f"harness process killed by {name}{hint}"
     return f"harness process exited with code {os.WEXITSTATUS(status)} before finishing"
-
-
-class _Progress:
-    """A rich progress bar (or nothing when label is None)."""
-
-    def __init__(self, label: str | None, total: int):
-        self.bar = None
-        self.rewards = 0.0
-        self.n = 0
-        if label:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("mean reward {task.fields[mean]:.3f}"), TimeElapsedColumn(),
-                                transient=False)
-            self.task = self.bar.add_task(label, total=total, mean=0.0)
-            self.bar.start()
-
-    def advance(self, reward: float) -> None:
-        self.n += 1
-        self.rewards += reward
-        if self.bar:
-            self.bar.update(self.task, advance=1, mean=self.rewards / self.n)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.stop()
