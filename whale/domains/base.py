@@ -14,10 +14,34 @@ Your own task: write a class with these members in your own module and name it i
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 SPLITS = ("weight", "harness", "val", "test")
+
+
+def split_sizes(sizes: Any) -> dict[str, int]:
+    """`domain.splits` as a dict, refusing negative sizes."""
+    out = {name: int(getattr(sizes, name)) for name in SPLITS}
+    bad = [f"{k}={v}" for k, v in out.items() if v < 0]
+    if bad:
+        raise ValueError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a bad line is an error naming the file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
+    return rows
 
 
 @dataclass

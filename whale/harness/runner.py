@@ -24,6 +24,8 @@ import asyncio
 import hashlib
 import json
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -470,9 +472,6 @@ async def _wait_exit(fut: asyncio.Future) -> int | None:
 
 
 def _exit_reason(status: int | None) -> str:
-    import os
-    import signal
-
     if status is None:
         return "harness process closed its channel without finishing"
     if status == -1:

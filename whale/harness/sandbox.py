@@ -25,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -111,7 +112,7 @@ class Cgroup:
                             os.kill(int(pid), 9)
                     except OSError:
                         pass
-                    threading.Event().wait(0.02)
+                    time.sleep(0.02)
 
 
 # ---------------------------------------------------------------- command lines

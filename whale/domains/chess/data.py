@@ -222,14 +222,6 @@ def select(records: Iterable[dict[str, Any]], filt: PuzzleFilter, total: int, se
     return [rec for _, _, rec in sorted(heap, key=lambda it: -it[1])]
 
 
-def split_sizes(sizes: Any) -> dict[str, int]:
-    out = {name: int(getattr(sizes, name)) for name in SPLITS}
-    bad = [f"{k}={v}" for k, v in out.items() if v < 0]
-    if bad:
-        raise ValueError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
-    return out
-
-
 def build_splits(records: Iterable[dict[str, Any]], sizes: dict[str, int], seed: int,
                  filt: PuzzleFilter, where: str) -> dict[str, list[Problem]]:
     total = sum(sizes.values())

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config
-from whale.domains.base import Problem
+from whale.domains.base import Problem, split_sizes
 from whale.domains.chess import data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
@@ -74,7 +74,7 @@ class ChessDomain:
 
     def load_splits(self) -> dict[str, list[Problem]]:
         if self._splits is None:
-            sizes = data.split_sizes(self.cfg.domain.splits)
+            sizes = split_sizes(self.cfg.domain.splits)
             if self.source == "offline":
                 records, where = data.iter_vendored(), "the offline puzzle set"
             else:

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from whale.domains.base import SPLITS, Problem
+from whale.domains.base import SPLITS, Problem, read_jsonl
 
 GSM8K_FILE = Path(__file__).with_name("gsm8k_test100.jsonl")
 DEAL_ORDER = ("test", "val", "harness", "weight")
@@ -140,14 +140,6 @@ def load_gsm8k_vendored() -> list[Problem]:
 # Splits
 # ---------------------------------------------------------------------------------------------
 
-def split_sizes(sizes: Any) -> dict[str, int]:
-    out = {name: int(getattr(sizes, name)) for name in SPLITS}
-    bad = [f"{k}={v}" for k, v in out.items() if v < 0]
-    if bad:
-        raise ValueError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
-    return out
-
-
 def allocate(total: int, weights: dict[str, float]) -> dict[str, int]:
     """Largest-remainder apportionment: counts that sum to `total` and follow `weights`."""
     norm = sum(weights.values())
@@ -227,14 +219,7 @@ def read_rows(data_path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
         return [row for f in files for row in read_rows(str(f), options)]
     if path.is_file():
         if path.suffix == ".jsonl":
-            rows = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            return rows
+            return read_jsonl(path)
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, list):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config
-from whale.domains.base import Problem
+from whale.domains.base import Problem, split_sizes
 from whale.domains.math import data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_math
@@ -74,7 +74,7 @@ class MathDomain:
 
     def load_splits(self) -> dict[str, list[Problem]]:
         if self._splits is None:
-            sizes = data.split_sizes(self.cfg.domain.splits)
+            sizes = split_sizes(self.cfg.domain.splits)
             if self.source == "offline":
                 self._splits = data.offline_splits(sizes, self.cfg.seed, self.options)
             else:

@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.domains.base import SPLITS, Problem
+from whale.domains.base import SPLITS, Problem, read_jsonl
 from whale.domains.searchqa.retrieval import read_parquet
 
 SOURCES = ("offline", "searchr1")
@@ -121,18 +121,10 @@ def rows_to_problems(rows: Iterable[dict[str, Any]], default_source: str) -> lis
 def _read_rows(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         return read_parquet(path)
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        data = json.loads(text)
+        data = json.loads(path.read_text(encoding="utf-8"))
         return data if isinstance(data, list) else list(data.get("data", []))
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"searchqa: {path}:{n} is not valid JSON: {e}") from None
-    return rows
+    return read_jsonl(path)
 
 
 def load_searchr1(data_path: str, hf_split: str | None = None) -> list[Problem]:

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.domains.base import EpisodeError
+from whale.domains.base import EpisodeError, read_jsonl
 
 _WORD = re.compile(r"\w\w+")
 
@@ -131,13 +131,7 @@ def load_corpus(path: str) -> list[dict[str, str]]:
         if f.suffix == ".parquet":
             rows.extend(read_parquet(f))
         else:
-            with open(f, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"searchqa: {f}:{n} is not valid JSON: {e}") from None
+            rows.extend(read_jsonl(f))
     passages = []
     for row in rows:
         if "contents" in row:
