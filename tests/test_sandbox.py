@@ -321,3 +321,21 @@ def test_run_python_tool_is_sandboxed():
     assert "TimeoutError" in run_python("while True: pass", timeout_s=1)
     out = run_python("import os; print(sorted(os.environ))")
     assert "API_KEY" not in out
+
+
+def test_uid_pool_ranges_are_disjoint_and_recycled(monkeypatch):
+    """Processes sharing a node (the Ray driver and its actors) each hand out only their own uids."""
+    from whale.harness.sandbox import _UidPool
+
+    monkeypatch.setattr(os, "getuid", lambda: 0)  # the pool only hands out uids when root
+    a, b = _UidPool(), _UidPool()
+    a.use_range(100, 102)
+    b.use_range(102, 104)
+    taken_a = [a.take(), a.take(), a.take()]
+    taken_b = [b.take(), b.take()]
+    assert taken_a == [100, 101, None]  # exhausted: the episode runs without its own uid
+    assert taken_b == [102, 103]
+    a.give(100)
+    assert a.take() == 100
+    with pytest.raises(ValueError, match="empty uid range"):
+        a.use_range(5, 5)

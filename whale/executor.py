@@ -183,8 +183,7 @@ class RunnerActor:
                  client: dict[str, Any] | None, uid_slice: tuple[int, int]):
         from whale.harness import sandbox
 
-        # actors on one node must not hand the same sandbox uids to concurrent episodes
-        sandbox.UIDS.free = list(range(*uid_slice))
+        sandbox.UIDS.use_range(*uid_slice)
         self.mailbox = mailbox
         if client is not None:
             from whale.engine.vllm import VLLMEngine
@@ -275,7 +274,7 @@ class RayExecutor:
             raise
 
     def _start_actors(self, num_actors, cpus_per_actor, node_affinity, ready_timeout_s) -> None:
-        from whale.harness.sandbox import UID_BASE, UID_COUNT
+        from whale.harness.sandbox import UID_BASE, UID_COUNT, UIDS
 
         ray, cfg, engine = self.ray, self.cfg, self.engine
         here = ray.get_runtime_context().get_node_id()
@@ -290,11 +289,13 @@ class RayExecutor:
         worker_cfg = cfg.model_copy(deep=True)
         worker_cfg.runner.concurrency = max(1, math.ceil(cfg.runner.concurrency / n))
         self.client = self._client_spec(ray)
-        per = UID_COUNT // n
+        # disjoint uid ranges: slice 0 stays with this (driver) process, which runs sandboxes too
+        per = UID_COUNT // (n + 1)
+        UIDS.use_range(UID_BASE, UID_BASE + per)
         remote_worker = ray.remote(RunnerActor).options(num_cpus=cpus_per_actor, scheduling_strategy="SPREAD",
                                                         max_restarts=3)
         self.actors = [remote_worker.remote(worker_cfg, self.domain_factory, self.mailbox, bool(engine.returns_ids),
-                                            self.client, (UID_BASE + i * per, UID_BASE + (i + 1) * per))
+                                            self.client, (UID_BASE + (i + 1) * per, UID_BASE + (i + 2) * per))
                        for i in range(n)]
         # fail here, with the worker's own error, if a worker cannot build its domain or engine
         try:

@@ -13,6 +13,7 @@ cannot return ids (`returns_ids = False`) serves evaluation and proposers only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -88,3 +89,16 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def weights_kind(folder: Path) -> str:
+    """'adapter' for a PEFT adapter folder, 'full' for a model folder; a clear error otherwise.
+
+    Both engines accept either from `load_weights`; this is the one place that tells them apart.
+    """
+    if (folder / "adapter_config.json").is_file():
+        return "adapter"
+    if (folder / "config.json").is_file():
+        return "full"
+    raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
+                     "nor a model folder (config.json)")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
 from whale.engine.default_model import resolve_model_path
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -382,13 +382,10 @@ class HFEngine:
         """
         if path is not None:
             folder = Path(path)
-            if (folder / "adapter_config.json").is_file():
+            if weights_kind(folder) == "adapter":
                 self._load_adapter(folder)
-            elif (folder / "config.json").is_file():
-                self._load_full(folder)
             else:
-                raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
-                                 "nor a model folder (config.json)")
+                self._load_full(folder)
         self.weights_version = version
 
     def _load_full(self, folder: Path) -> None:

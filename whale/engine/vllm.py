@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -386,13 +386,10 @@ class VLLMEngine:
             self._route = None
         else:
             folder = Path(path).expanduser().resolve()
-            if (folder / "adapter_config.json").is_file():
+            if weights_kind(folder) == "adapter":
                 self._load_adapter(folder, version)
-            elif (folder / "config.json").is_file():
-                self._load_full(folder)
             else:
-                raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
-                                 "nor a model folder (config.json)")
+                self._load_full(folder)
         self.weights_version = version
 
     def _load_adapter(self, folder: Path, version: str) -> None:

@@ -427,19 +427,19 @@ class RolloutRunner:
                 batcher.busy_elsewhere += 1
                 t1 = time.monotonic()
                 try:
-                    result = await asyncio.get_running_loop().run_in_executor(
+                    result, text = await asyncio.get_running_loop().run_in_executor(
                         self.tool_executor, _call_tool, env, name, args, kwargs)
                     error = None
                 except EpisodeError as e:
-                    result, error = None, str(e)
+                    result, text, error = None, "null", str(e)
                 except TypeError as e:
-                    result, error = None, f"bad arguments for env.{name}: {e}"
+                    result, text, error = None, "null", f"bad arguments for env.{name}: {e}"
                 except Exception as e:  # noqa: BLE001 - a tool bug is the episode's error, not the run's
-                    result, error = None, f"env.{name} failed: {type(e).__name__}: {e}"
+                    result, text, error = None, "null", f"env.{name} failed: {type(e).__name__}: {e}"
                 finally:
                     batcher.busy_elsewhere -= 1
                     batcher.poke()
-                traj.tool_calls.append(ToolCall(name=name, args=args, kwargs=kwargs, result=_clip(result),
+                traj.tool_calls.append(ToolCall(name=name, args=args, kwargs=kwargs, result=_clip(result, text),
                                                 error=error, seconds=round(time.monotonic() - t1, 4)))
                 if error is not None:
                     await reply({"id": mid, "error": error, "fatal": False, "state": env.public_state()})
@@ -453,14 +453,14 @@ class RolloutRunner:
                     return "harness flooded the RPC pipe with malformed messages"
 
 
-def _call_tool(env: EpisodeEnv, name: str, args: list, kwargs: dict):
+def _call_tool(env: EpisodeEnv, name: str, args: list, kwargs: dict) -> tuple[Any, str]:
+    """Run one env tool; return its result and the result as JSON (it must cross the pipe)."""
     result = getattr(env, name)(*args, **kwargs)
-    json.dumps(result)  # must be JSON-serialisable to cross the pipe
-    return result
+    return result, json.dumps(result)
 
 
-def _clip(value: Any, limit: int = 4000) -> Any:
-    text = json.dumps(value)
+def _clip(value: Any, text: str, limit: int = 4000) -> Any:
+    """The tool result as the trace keeps it: whole, or its JSON `text` cut to `limit` characters."""
     return value if len(text) <= limit else text[:limit] + "...[truncated]"
 
 

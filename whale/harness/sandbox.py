@@ -55,6 +55,14 @@ class _UidPool:
             with self.lock:
                 self.free.append(uid)
 
+    def use_range(self, start: int, stop: int) -> None:
+        """Hand out only uids in [start, stop): processes sharing a node take disjoint ranges,
+        so two of them never drop concurrent episodes to the same uid."""
+        if stop - start < 1:
+            raise ValueError(f"empty uid range [{start}, {stop})")
+        with self.lock:
+            self.free = list(range(start, stop))
+
 
 UIDS = _UidPool()
 
