@@ -84,6 +84,10 @@ def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
     assert state["weights_version"] == "base"
     md = compare_runs([wo, ho], tmp_path / "cmp").read_text()
     assert "weight_only" in md and "harness_only" in md and "paired bootstrap" in md
+    per_seed = md.split("Per seed")[1].splitlines()
+    ho_row = next(line for line in per_seed if line.startswith("| harness_only |"))
+    wo_row = next(line for line in per_seed if line.startswith("| weight_only |"))
+    assert ", base)" in ho_row and "(h0, w" in wo_row  # what each run ended with: frozen weights / h0 kept
 
 
 def test_resume_refuses_changed_config(tiny_model_dir, tmp_path):

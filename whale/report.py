@@ -261,16 +261,18 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Pat
         by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
                                         "per_problem": _final_test_per_problem(rows)})
     methods = list(by_method)
-    lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Budget rollouts = weight + harness search.", "",
-             "| method | runs | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Initial: the first evaluation "
+             "(incoming harness, base weights). Budget rollouts = weight + harness search.", "",
+             "| method | runs | initial | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         runs = by_method[m]
-        cells = [_mean_sd([r["summary"][key] for r in runs]) for key in ("best", "final", "val_selected")]
+        cells = [_mean_sd([r["summary"].get(key) for r in runs]) for key in ("initial", "best", "final", "val_selected")]
         budget = _mean_sd([r["summary"]["ledger"].get("budget_rollouts") for r in runs], digits=0)
         total = _mean_sd([sum(r["summary"]["ledger"].get("rollouts", {}).values()) for r in runs], digits=0)
         secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
         lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
+    lines += _per_seed_table(by_method)
     ref = methods[0]
     ref_by_seed = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[ref] if r["per_problem"]}
     if len(methods) > 1 and ref_by_seed:
@@ -309,6 +311,22 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Pat
     lines += ["", "![test mean@k vs rollouts](compare_rollouts.png)", "", "![test mean@k vs tokens](compare_tokens.png)", ""]
     (out / "compare.md").write_text("\n".join(lines))
     return out / "compare.md"
+
+
+def _per_seed_table(by_method: dict[str, list[dict]]) -> list[str]:
+    """Each run on its own: test mean@k at the start and the end, and the (harness, weights) it ended with."""
+    seeds = sorted({r["cfg"].get("seed") for runs in by_method.values() for r in runs}, key=str)
+    lines = ["", "Per seed: test mean@k initial → final (final harness, weights):", "",
+             "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for m, runs in by_method.items():
+        cells = []
+        for seed in seeds:
+            mine = [r["summary"] for r in runs if r["cfg"].get("seed") == seed]
+            cells.append("; ".join(f"{_fmt(x.get('initial'))} → {_fmt(x.get('final'))} "
+                                   f"({x.get('harness_id') or '?'}, {x.get('weights_version') or '?'})"
+                                   for x in mine) or "-")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _last_sources(rows: list[dict]) -> dict[str, float]:

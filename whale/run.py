@@ -376,8 +376,9 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     evals = [r for r in rows if r.get("event") == "eval"]
     test = [r for r in evals if r.get("split") == "test"]
     val = [r for r in evals if r.get("split") == "val"]
-    out: dict[str, Any] = {"final": None, "best": None, "val_selected": None}
+    out: dict[str, Any] = {"initial": None, "final": None, "best": None, "val_selected": None}
     if test:
+        out["initial"] = test[0]["mean_at_k"]
         out["final"] = test[-1]["mean_at_k"]
         out["best"] = max(r["mean_at_k"] for r in test)
     if val and test:
@@ -389,4 +390,5 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     out["ledger"] = state.get("ledger", {})
     out["seconds"] = state.get("elapsed_s")
+    out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")
     return out
