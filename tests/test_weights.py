@@ -212,7 +212,7 @@ def test_one_optimizer_step_per_minibatch_of_trajectories(tiny_model_dir):
 def test_lora_step_moves_adapter_and_keeps_base_weights(tiny_model_dir):
     model, tok = load_tiny(tiny_model_dir)
     trainer = Trainer(model, tok, WeightConfig(lr=1e-2))
-    engine = SimpleNamespace(model=None)
+    engine = FakeEngine()
     trainer.attach(engine)
     assert engine.model is trainer.model
     lora0, base0 = lora_and_base(trainer.model)
@@ -321,8 +321,13 @@ class FakeRunner:
 
 
 class FakeEngine:
+    weight_sync = "in_place"
+
     def __init__(self):
         self.model, self.weights_version, self.loads = None, "base", []
+
+    def serve_model(self, model):
+        self.model = model
 
     def load_weights(self, path, version):
         self.loads.append((path, version))

@@ -145,6 +145,8 @@ class EngineActor:
 class EngineProxy:
     """The `Engine` protocol inside a worker: every call goes through the EngineActor to the driver."""
 
+    weight_sync = "none"  # workers never train: weights are pushed to the driver's engine
+
     def __init__(self, mailbox: Any, returns_ids: bool):
         self.mailbox = mailbox
         self.returns_ids = returns_ids

@@ -199,16 +199,17 @@ class Experiment:
         if self.trainer is None:
             from whale.weights.trainer import Trainer
 
-            if hasattr(self.engine, "model"):  # hf: train the served model in place, no copy
+            sync = self.engine.weight_sync
+            if sync == "in_place":  # hf: train the served model object itself, no copy
                 model, tokenizer = self.engine.model, self.engine.tokenizer
-            elif self.cfg.model.backend == "vllm":  # train an hf copy; RSFT saves adapters and the server loads them
+            elif sync == "from_disk":  # vLLM: train an hf copy; RSFT saves adapters, the server loads them
                 model, tokenizer = _training_model(self.cfg)
             else:
                 raise ConfigError(f"model.backend {self.cfg.model.backend!r} serves inference only; "
                                   "weight phases need backend hf or vllm")
             self.trainer = Trainer(model, tokenizer, self.cfg.weight, seed=self.cfg.seed,
                                    temperature=max(self.cfg.sampling.temperature, 1e-3))
-            if hasattr(self.engine, "model"):
+            if sync == "in_place":
                 self.trainer.attach(self.engine)
         return self.trainer
 
@@ -218,7 +219,7 @@ class Experiment:
             raise ConfigError(f"state.json names weights {version} but {path} is missing")
         trainer = self._ensure_trainer()
         trainer.load(path)
-        in_place = getattr(self.engine, "model", None) is trainer.model
+        in_place = self.engine.weight_sync == "in_place"
         self.engine.load_weights(None if in_place else str(path), version)
 
     def weight_phase(self) -> None:

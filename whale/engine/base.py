@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,17 @@ class Generation:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
 
 
+WeightSync = Literal["in_place", "from_disk", "none"]
+"""How trained weights reach an engine (`Engine.weight_sync`):
+
+- "in_place": the engine serves a model object in this process; the trainer updates that very
+  object (`InProcessEngine.model`), and a push only changes the version tag;
+- "from_disk": the engine serves weights it loads from a saved adapter or checkpoint
+  (`load_weights(path, version)`): the trainer trains its own copy and saves it first (vLLM);
+- "none": inference only (a generic endpoint, the null engine); a weight phase is an error.
+"""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the rollout runner needs from a model server.
@@ -73,10 +84,14 @@ class Engine(Protocol):
     `generate` returns, per request, a list of `n` generations. It must not raise for a single
     bad request (e.g. a prompt longer than the context): return a generation with
     finish_reason "error" and the message as text instead, so one episode fails, not the batch.
+
+    `weight_sync` is a declared capability (see `WeightSync`): callers decide how to train and
+    push weights from it, never by probing attributes.
     """
 
     weights_version: str
     returns_ids: bool
+    weight_sync: WeightSync
 
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingParams
@@ -89,6 +104,18 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class InProcessEngine(Engine, Protocol):
+    """An engine with `weight_sync == "in_place"`: it serves `model` (a torch module) with
+    `tokenizer`, in this process. The trainer wraps and updates that object and hands the wrapped
+    module back with `serve_model`, so rollouts always sample from the weights being trained."""
+
+    model: Any
+    tokenizer: Any
+
+    def serve_model(self, model: Any) -> None: ...
 
 
 def weights_kind(folder: Path) -> str:

@@ -72,6 +72,7 @@ class HFEngine:
     """The `Engine` protocol on a transformers causal LM (optionally with a PEFT adapter)."""
 
     returns_ids = True
+    weight_sync = "in_place"  # the trainer updates self.model; see engine.base.WeightSync
 
     def __init__(
         self,
@@ -438,6 +439,11 @@ class HFEngine:
             # is_trainable: the trainer may continue training the served adapter (e.g. on resume).
             self.model = PeftModel.from_pretrained(self.model, str(folder), is_trainable=True)
         self.model.to(self.device).eval()
+
+    def serve_model(self, model) -> None:
+        """Serve `model` from now on: the trainer's (possibly peft-wrapped) version of self.model."""
+        self.model = model
+        self._cache_kw = self._cache_kwarg()
 
     def _free_cuda(self) -> None:
         if self.device.type == "cuda":

@@ -29,6 +29,7 @@ _LETTERS = string.ascii_lowercase + string.digits
 class NullEngine:
     weights_version = "null"
     returns_ids = False
+    weight_sync = "none"
 
     def __init__(self, seed: int = 0):
         self.seed = seed

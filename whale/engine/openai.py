@@ -151,6 +151,7 @@ class OpenAIEngine:
     """The `Engine` protocol over an OpenAI-compatible chat endpoint (inference only, no ids)."""
 
     returns_ids = False
+    weight_sync = "none"  # inference only: a generic endpoint cannot load our weights
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 120.0,
                  max_concurrency: int = 16, tokenizer_path: str | None = None, max_retries: int = 2):

@@ -71,6 +71,7 @@ class VLLMEngine:
     """The `Engine` protocol on a vLLM server (started here, or at `base_url`)."""
 
     returns_ids = True
+    weight_sync = "from_disk"  # adapters/checkpoints saved by the trainer, loaded by the server
 
     def __init__(
         self,

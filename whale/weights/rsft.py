@@ -208,7 +208,7 @@ class RSFT:
     def _push(self, version: str) -> None:
         """In place (hf engine serving the trainer's model): only the version tag changes.
         Otherwise save the adapter/checkpoint and have the engine load it."""
-        if getattr(self.engine, "model", None) is self.trainer.model:
+        if self.engine.weight_sync == "in_place":  # the engine serves the trainer's model object
             self.engine.load_weights(None, version)
             self.trainer.version = version
             return

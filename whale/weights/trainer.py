@@ -189,8 +189,10 @@ class Trainer:
         return self.params[0].device
 
     def attach(self, engine: Any) -> None:
-        """Make the engine serve the trained object (the peft wrapper after LoRA wrapping)."""
-        engine.model = self.model
+        """Make an in-process engine serve the trained object (the peft wrapper after LoRA wrapping)."""
+        if engine.weight_sync != "in_place":
+            raise ValueError(f"attach needs an engine with weight_sync 'in_place', not {engine.weight_sync!r}")
+        engine.serve_model(self.model)
 
     def _collate(self, rows: list[TrainingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(r.input_ids) for r in rows)
