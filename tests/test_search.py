@@ -392,7 +392,7 @@ def test_flagged_harness_is_rejected_for_the_next_best(toy):
     result = search_for(toy, proposer).run_phase("h0", "base", iterations=2)
     assert archive.ranking("base")[0] == "h1"  # the cheat ranks first (0 LLM calls) ...
     assert result.accepted_id == "h2"  # ... but the null probe flags it
-    assert archive.meta("h1")["flagged"] and archive.meta("h1")["null_probe"]["base"]["flagged"]
+    assert archive.meta("h1")["flagged"] and archive.meta("h1")["null_probe"]["base/p1"]["flagged"]
     cfg.harness.reject_flagged = False  # flagged is then recorded, not rejected
     search = search_for(toy, ScriptedProposer([[Proposal(CHEAT, "compute it", "tool")]]))
     result = search.run_phase("h0", "other", iterations=2)

@@ -126,7 +126,13 @@ class HarnessSearchConfig(_Strict):
                                 "(archived as a child of h0)")
     proposer: Literal["mutation", "chat", "agent_cli"] = "mutation"
     candidates_per_iteration: int = Field(3, description="M")
-    samples_per_example: int = 1
+    samples_per_example: int = Field(1, ge=1, description="k samples per harness-split problem when scoring a candidate")
+    confirm_top: int = Field(2, ge=0, description="top candidates re-run on fresh seeds, with the incoming harness, "
+                             "before one may replace it (0: decide on the selection traces)")
+    confirm_samples: int = Field(2, ge=1, description="samples per problem of that re-run (ledger purpose confirm)")
+    accept_alpha: float = Field(0.05, gt=0, le=1, description="one-sided level of the paired sign-flip test "
+                                "(split over the candidates tested); also the null probe's level")
+    accept_margin: float = Field(0.0, ge=0, description="paired gain in success rate a candidate must exceed")
     prompt_only: bool = False
     agent_command: str | None = Field(None, description="agent_cli: shell command; {brief} {workspace} substituted")
     agent_timeout_s: float = 2400
@@ -137,7 +143,8 @@ class HarnessSearchConfig(_Strict):
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
     chat_max_turns: int = 24
     null_probe_items: int = 64
-    null_probe_min_drop: float = Field(0.05, description="flag when score(real) - score(null) is below this")
+    null_probe_min_drop: float = Field(0.0, description="the model's paired advantage over the null engine must "
+                                       "exceed this and be shown at accept_alpha (unless the null engine scores 0)")
     reject_flagged: bool = True
     max_file_bytes: int = 50_000
     smoke_examples: int = 2

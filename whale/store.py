@@ -29,7 +29,7 @@ import yaml
 # Purposes that count against the paper-style rollout budget, and those only recorded.
 # The re-scoring of the incoming harness is the first harness iteration (DESIGN §11), so it counts;
 # it keeps its own line in the ledger so reports can show it apart.
-BUDGET_PURPOSES = ("weight", "harness", "rescore")
+BUDGET_PURPOSES = ("weight", "harness", "rescore", "confirm")  # confirm: see whale/search/acceptance.py
 RECORDED_PURPOSES = ("eval", "smoke", "null_probe", "redone")
 
 

@@ -74,7 +74,10 @@ Only scores measured under the current weights version (`{version}`) are compara
 
 def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
                frontier: list[dict[str, Any]] | None = None, prompt_only: bool = False,
-               base_source: str | None = None, archive_path: str = "archive/") -> str:
+               base_source: str | None = None, archive_path: str = "archive/",
+               diagnoses: dict[str, str] | None = None) -> str:
+    """`diagnoses` (harness id -> diagnose.py's text) is the first read of the traces, the same
+    one the offline mutation proposer acts on; the proposer should check it against the traces."""
     extra = cfg.runner.sandbox.extra_packages
     extra_text = f" plus {', '.join(extra)}" if extra else ""
     b = cfg.domain.budget
@@ -94,6 +97,11 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
     for p in (frontier or [])[:8]:
         parts.append(f"- frontier: `{p['id']}` success_rate={p['success_rate']:.3f} "
                      f"mean_llm_calls={p['mean_llm_calls']:.2f}\n")
+    if diagnoses:
+        parts.append("\n## What the traces show (automatic first read; verify it in traces.jsonl)\n\n")
+        for cid, text in diagnoses.items():
+            parts.append(f"- `{cid}` under `{weights_version}`: {text}\n")
+        parts.append("Fix the most common failure mode first, unless the traces show it is not the real cause.\n")
     parts += ["\n## Rules\n\n", RULES.format(n=n, extra=extra_text, max_bytes=cfg.harness.max_file_bytes)]
     if prompt_only:
         parts += [

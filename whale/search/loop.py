@@ -3,13 +3,15 @@
 One phase = iteration 1 re-scores the incoming harness under the new weights (the paper counts it
 as the first harness iteration), then each further iteration asks the proposer for M candidates,
 validates them, evaluates the valid ones on D_harness (1 rollout per problem by default) and
-archives code, scores and traces. The accepted harness is the top Pareto point among candidates
-scored under the *current* weights; the incoming harness can win. A newly accepted harness must
-pass the null-engine probe (guard.py), or the next best one is taken.
+archives code, scores and traces (k = harness.samples_per_example samples per problem, the same
+seeds for every candidate under one weights version). Acceptance (acceptance.py): the top
+candidates that beat the incoming harness on those traces are re-run with the incoming one on
+fresh seeds, and one replaces it only by a paired test on the fresh samples; it must also pass
+the null-engine probe on those samples (guard.py). The incoming harness stays otherwise.
 
 Everything that happens is a history row handed to `on_iteration(row)` (the caller writes them to
 metrics.jsonl): rescore, candidate (evaluated), invalid, duplicate, proposer_failure, null_probe,
-iteration_end, accept. After every row `state_dict()` is consistent; the caller saves it then.
+iteration_end, confirm, accept. After every row `state_dict()` is consistent; the caller saves it then.
 Resume (`load_state_dict`, then `run_phase` with the same incoming id and weights version):
 proposals are archived (status "pending") before any is validated, so a killed phase re-proposes
 only if it died while the proposer ran, and redoes at most the one pending candidate that was
@@ -31,8 +33,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config
+from whale.engine.null import NullEngine
+from whale.harness.runner import RolloutRunner, derive_seed
+from whale.search.acceptance import choose, per_problem
 from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
+from whale.search.diagnose import diagnose_harness
 from whale.search.guard import null_probe
 from whale.search.proposers import ProposalContext
 from whale.search.validate import validate_candidate
@@ -43,6 +49,7 @@ class PhaseResult:
     accepted_id: str
     iterations: int
     history: list[dict[str, Any]] = field(default_factory=list)
+    gain: float = 0.0  # paired gain of the accepted harness over the incoming one, on fresh samples
 
 
 class HarnessSearch:
@@ -100,7 +107,7 @@ class HarnessSearch:
         resume = self._resumed and st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version
         self._resumed = False
         if resume and st.get("accepted"):
-            return PhaseResult(st["accepted"], st["done"], [])  # killed after the phase, before the caller moved on
+            return PhaseResult(st["accepted"], st["done"], [], st.get("gain", 0.0))  # killed after the phase, before the caller moved on
         if not resume:
             self._state = st = {"phase": max(st.get("phase", 0), self._last_phase_on_disk()) + 1,
                                 "incoming_id": incoming_id,
@@ -132,9 +139,9 @@ class HarnessSearch:
                 break
         accepted = self._accept(incoming_id, weights_version)
         st["accepted"] = accepted
-        self._emit({"event": "accept", "iteration": st["done"], "id": accepted,
+        self._emit({"event": "accept", "iteration": st["done"], "id": accepted, "gain": st["gain"],
                     **(self.archive.scores(accepted, weights_version) or {})})
-        return PhaseResult(accepted, st["done"], list(self._history))
+        return PhaseResult(accepted, st["done"], list(self._history), st["gain"])
 
     def _last_phase_on_disk(self) -> int:
         """Highest phase number among proposal folders, so a fresh HarnessSearch never reuses a tag."""
@@ -204,8 +211,11 @@ class HarnessSearch:
         prompt_only = self.cfg.harness.prompt_only
         base = self.archive.source(incoming)
         tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
+        leaders = list(dict.fromkeys([incoming] + self.archive.ranking(version)[:1]))
+        diagnoses = {cid: diagnose_harness(self.archive, cid, version, self.domain.name).text() for cid in leaders}
         brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
-                           frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base)
+                           frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base,
+                           diagnoses=diagnoses)
         ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
                               prompt_only=prompt_only, base_source=base if prompt_only else None, tag=tag,
                               seed=self.cfg.seed)
@@ -267,31 +277,72 @@ class HarnessSearch:
         self._emit({"event": "candidate", **row, "status": "valid", "reason": reason, **scores})
 
     def _accept(self, incoming: str, version: str) -> str:
-        """Best candidate under `version` that passes the null probe (the incoming harness is exempt)."""
-        for cid in self.archive.ranking(version) or [incoming]:
-            if cid == incoming:
-                return cid
-            probe = (self.archive.meta(cid).get("null_probe") or {}).get(version)
-            if probe is None:
-                probe = self._probe(cid, version)
-                probes = dict(self.archive.meta(cid).get("null_probe") or {})
-                probes[version] = probe
-                self.archive.update_meta(cid, null_probe=probes, flagged=probe["flagged"])
-                self._emit({"event": "null_probe", "iteration": self._state["done"], "id": cid, **probe})
-            if not probe["flagged"] or not self.cfg.harness.reject_flagged:
+        """The incoming harness, unless a candidate beats it by the paired rule of acceptance.py
+        (confirmed on fresh seeds) and passes the null probe. Sets state["gain"]: the accepted
+        harness's paired gain over the incoming one on the fresh samples (0 when it is kept)."""
+        h, st = self.cfg.harness, self._state
+        st["gain"] = 0.0
+        incoming_rate = (self.archive.scores(incoming, version) or {}).get("success_rate", 0.0)
+        challengers = [cid for cid in self.archive.ranking(version)
+                       if cid != incoming and self.archive.scores(cid, version)["success_rate"] > incoming_rate + 1e-12]
+        if not challengers:
+            return incoming
+        if h.confirm_top > 0:
+            chosen = challengers[: h.confirm_top]
+            base = self._fresh(incoming, version)
+            rates = {cid: self._fresh(cid, version) for cid in chosen}
+        else:  # decide on the selection traces; alpha is split over every candidate selected among
+            base = per_problem(self.archive.traces(incoming, version))
+            rates = {cid: per_problem(self.archive.traces(cid, version)) for cid in challengers}
+        winner, tests = choose(base, rates, alpha=h.accept_alpha, margin=h.accept_margin)
+        for cid, test in tests.items():
+            self._emit({"event": "confirm", "iteration": st["done"], "id": cid, "incoming": incoming,
+                        "fresh": h.confirm_top > 0, **test})
+        passing = sorted((cid for cid in tests if tests[cid]["passes"]), key=lambda c: -tests[c]["mean_a"])
+        for cid in passing:
+            probe = self._probe(cid, version, rates[cid] if h.confirm_top > 0 else None)
+            if not probe["flagged"] or not h.reject_flagged:
+                st["gain"] = tests[cid]["gain"]
                 return cid
         return incoming
 
-    def _probe(self, cid: str, version: str) -> dict[str, Any]:
-        real: dict[str, list[float]] = {}
-        for row in self.archive.traces(cid, version):
-            real.setdefault(row["problem_id"], []).append(float(row["reward"]))
-        if self.null_runner is None:
-            from whale.engine.null import NullEngine
-            from whale.harness.runner import RolloutRunner
+    def _decision_key(self, version: str) -> str:
+        """Fresh samples belong to one decision: this phase under these weights."""
+        return f"{version}/p{self._state['phase']}"
 
+    def _fresh(self, cid: str, version: str) -> dict[str, float]:
+        """Per-problem success on new seeds (ledger purpose `confirm`), cached in meta.json."""
+        key = self._decision_key(version)
+        cached = (self.archive.meta(cid).get("confirm") or {}).get(key)
+        if cached is not None:
+            return cached["per_problem"]
+        k = self.cfg.harness.confirm_samples
+        trajs = self.runner.run(self.archive.source(cid), self.harness_problems(), k, harness_id=cid,
+                                seed=derive_seed(self.cfg.seed, "confirm", key), purpose="confirm",
+                                progress=f"confirm {cid}" if self.progress else None)
+        self._count("confirm", trajs)
+        rates = per_problem(trajs)
+        confirm = dict(self.archive.meta(cid).get("confirm") or {})
+        confirm[key] = {"k": k, "mean": round(sum(rates.values()) / max(1, len(rates)), 4), "per_problem": rates}
+        self.archive.update_meta(cid, confirm=confirm)
+        return rates
+
+    def _probe(self, cid: str, version: str, fresh: dict[str, float] | None) -> dict[str, Any]:
+        """The null probe against fresh real samples (cached per decision in meta.json)."""
+        key = self._decision_key(version)
+        probes = dict(self.archive.meta(cid).get("null_probe") or {})
+        if key in probes:
+            return probes[key]
+        if self.null_runner is None:
             self.null_runner = RolloutRunner(NullEngine(seed=self.cfg.seed), self.domain, self.cfg)
             self._own_null_runner = True
-        return null_probe(self.runner, self.archive.source(cid), self.harness_problems(), self.cfg,
-                          null_runner=self.null_runner, real_rewards={k: sum(v) / len(v) for k, v in real.items()},
-                          harness_id=cid, seed=self._seed(version), ledger_callback=self._count)
+        h = self.cfg.harness
+        seed = derive_seed(self.cfg.seed, "confirm" if fresh is not None else "probe", key)
+        probe = null_probe(self.runner, self.archive.source(cid), self.harness_problems(), self.cfg,
+                           null_runner=self.null_runner, real_rewards=fresh, harness_id=cid, seed=seed,
+                           samples=h.confirm_samples if fresh is not None else h.samples_per_example,
+                           ledger_callback=self._count)
+        probes[key] = probe
+        self.archive.update_meta(cid, null_probe=probes, flagged=probe["flagged"])
+        self._emit({"event": "null_probe", "iteration": self._state["done"], "id": cid, **probe})
+        return probe

@@ -1,11 +1,17 @@
-"""The offline mutation proposer: a fixed library of real code transformations, seeded.
+"""The offline mutation proposer: a fixed library of real code transformations, chosen by diagnosis.
 
-A weak proposer by design. It does not read traces or reason about failures; it picks a parent
-(better archive members more often) and applies one transformation, not yet tried in the archive
-when one applies, from a per-domain library
-that encodes mechanisms known to help (retrieval up front, constrained move choice, majority
-votes, format reminders ...). It exists so the whole WHALE loop runs offline, in tests and on a
-laptop without an agent CLI or an API key; real searches should use `agent_cli` or `chat`.
+It reads the archive the way a person would start: the parent's raw traces are sorted by why
+episodes failed (diagnose.py: off-topic retrieval, sentence answers, cut-off calls, illegal moves,
+...), and the mechanisms that address the dominant failure mode (FIXES) are tried first, untried
+ones before tried ones; the diagnosis goes into the candidate's hypothesis (meta.json). The
+parent is the best archive member most of the time, another one sometimes. It is still a library,
+not a reasoner: it exists so the whole WHALE loop runs offline, in tests and on a laptop without
+an agent CLI or an API key; real searches should use `agent_cli` or `chat` (whose brief carries
+the same diagnosis).
+
+Why diagnosis rather than uniform draws: measured on search QA (docs/results/cmp), a uniform
+draw of 2-4 mechanisms per phase often missed the one fix that mattered (question-as-query for
+h0's off-topic retrieval); the traces name it in the first read.
 
 How edits are made robust to any descendant of the domains' h0 harnesses:
 - most mechanisms *wrap* the harness: the current top-level `run` is renamed and a new `run`
@@ -32,6 +38,7 @@ from typing import Callable
 from whale.config import Config
 from whale.search import mutation_blocks as B
 from whale.search.archive import code_hash
+from whale.search.diagnose import Diagnosis, diagnose_harness
 from whale.search.proposers import Proposal
 from whale.search.validate import static_check
 
@@ -311,6 +318,45 @@ LIBRARY: list[Mutation] = [
 ]
 
 
+# Which failure modes (diagnose.py) each mechanism addresses: the proposer tries mechanisms for
+# the dominant mode of the parent's traces first. A mechanism with no listed mode is still tried,
+# after the relevant ones, so a small library is covered in the end.
+FIXES: dict[str, tuple[str, ...]] = {
+    "majority_vote": ("wrong_answer", "empty_answer"),
+    "system_prompt_rewrite": ("wrong_answer", "long_answer", "no_answer_tag", "no_boxed_answer"),
+    "more_passages": ("missing_relation", "off_topic_retrieval"),
+    "longer_passages": ("missing_relation",),
+    "query_rewrite": ("off_topic_retrieval", "empty_retrieval", "missing_relation"),
+    "force_retrieval": ("unused_tool", "off_topic_query", "empty_retrieval"),
+    "retrieved_titles": ("wrong_answer",),
+    "final_format_reminder": ("long_answer", "no_answer_tag", "length_cutoff"),
+    "question_as_query": ("off_topic_query", "empty_retrieval", "unused_tool", "tool_error"),
+    "answer_first_line": ("long_answer", "length_cutoff", "empty_answer"),
+    "more_search_turns": ("missing_relation",),
+    "python_first": ("unused_tool", "wrong_answer", "tool_error"),
+    "boxed_reminder": ("no_boxed_answer", "length_cutoff"),
+    "retry_parse_failure": ("no_boxed_answer", "length_cutoff", "no_submission"),
+    "self_check": ("wrong_answer",),
+    "legal_move_list": ("illegal_move", "unused_tool", "no_submission"),
+    "annotate_moves": ("wrong_answer", "illegal_move"),
+    "constrained_choice": ("illegal_move", "unused_tool", "no_submission", "length_cutoff"),
+    "illegal_retry": ("illegal_move", "tool_error"),
+    "chess_hint": ("wrong_answer",),
+}
+
+
+def fixes_of(mutation: "Mutation") -> tuple[str, ...]:
+    base = "system_prompt_rewrite" if mutation.name.startswith("system_prompt_rewrite") else mutation.name
+    return FIXES.get(base, ())
+
+
+def relevance(mutation: "Mutation", diagnosis: Diagnosis) -> float:
+    """Share of the failed episodes showing a mode this mechanism addresses (the top mode counts double)."""
+    modes = fixes_of(mutation)
+    top = diagnosis.dominant
+    return sum(diagnosis.share(m) * (2.0 if m == top else 1.0) for m in modes)
+
+
 def mutations_for(domain: str, prompt_only: bool = False) -> list[Mutation]:
     out = [m for m in LIBRARY if m.applies_to(domain) and (m.prompt_only or not prompt_only)]
     if any(m.name.startswith("system_prompt_rewrite_") for m in out):
@@ -346,35 +392,50 @@ class MutationProposer:
         self.last_usage: dict[str, float] = {}
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
+        """Diagnose the parent's traces, then apply the mechanisms that address its dominant
+        failure mode first (untried ones before tried ones, seeded ties); see FIXES."""
         self.last_error, self.last_usage = None, {}
-        rng = random.Random(f"{self.seed}/{context.weights_version}/{context.incoming_id}/{context.iteration}")
+        version = context.weights_version
+        rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
         muts = mutations_for(domain.name, context.prompt_only)
-        ranked = archive.ranking(context.weights_version) or [context.incoming_id]
-        weights = [1.0 / (i + 1) for i in range(len(ranked))]  # better parents more often
+        ranked = archive.ranking(version) or [context.incoming_id]
         known = {archive.meta(cid)["code_hash"] for cid in archive.ids()}
-        # Cover the library before repeating a mechanism: a small search budget otherwise keeps
-        # re-drawing the same few mutations and can miss the one that matters.
         tried = {archive.meta(cid).get("mechanism") for cid in archive.ids()}
+        diagnoses: dict[str, Diagnosis] = {}
         out: list[Proposal] = []
-        for attempt in range(40 * max(1, n)):
+        for _ in range(4 * max(1, n)):
             if len(out) >= n or not muts:
                 break
-            parent = rng.choices(ranked, weights)[0]
-            fresh = [m for m in muts if m.name not in tried]
-            mutation = rng.choice(fresh if fresh and attempt < 20 * max(1, n) else muts)
-            new = apply_mutation(mutation, archive.source(parent), parent, rng)
-            if new is None:
-                continue
-            reason = static_check(new, self.cfg, base_source=context.base_source or archive.source(parent),
-                                  prompt_only=context.prompt_only)
-            h = code_hash(new)
-            if reason is not None or h in known:
-                continue
-            known.add(h)
-            tried.add(mutation.name)
-            out.append(Proposal(source=new, hypothesis=mutation.hypothesis, mechanism=mutation.name,
-                                notes=f"mutation {mutation.name} of {parent}", parent=parent))
+            # mostly the best harness (fix what fails there), sometimes another archive member
+            parent = ranked[0] if len(ranked) == 1 or rng.random() < 0.75 else \
+                rng.choices(ranked[1:], [1.0 / (i + 1) for i in range(len(ranked) - 1)])[0]
+            if parent not in diagnoses:
+                diagnoses[parent] = diagnose_harness(archive, parent, version, domain.name)
+            diag = diagnoses[parent]
+            order = sorted(muts, key=lambda m: (-round(relevance(m, diag), 9), m.name in tried, rng.random()))
+            for mutation in order:
+                new = apply_mutation(mutation, archive.source(parent), parent, rng)
+                if new is None:
+                    continue
+                reason = static_check(new, self.cfg, base_source=context.base_source or archive.source(parent),
+                                      prompt_only=context.prompt_only)
+                h = code_hash(new)
+                if reason is not None or h in known:
+                    continue
+                known.add(h)
+                tried.add(mutation.name)
+                out.append(self._proposal(new, mutation, parent, diag))
+                break
         if len(out) < n:
             self.last_error = (f"only {len(out)} of {n} mutations applied (domain {domain.name!r}: "
                                f"{len(muts)} mechanisms, parents {ranked[:5]})")
         return out
+
+    @staticmethod
+    def _proposal(source: str, mutation: Mutation, parent: str, diag: Diagnosis) -> Proposal:
+        addressed = [m for m in fixes_of(mutation) if diag.counts.get(m)]
+        why = (f"addresses {', '.join(addressed)} ({', '.join(f'{diag.counts[m]}/{diag.failures}' for m in addressed)} "
+               "failed episodes)" if addressed else "not aimed at a diagnosed mode (library coverage)")
+        hypothesis = f"Diagnosis of {parent}: {diag.text(top=2)} {mutation.name} {why}: {mutation.hypothesis}"
+        return Proposal(source=source, hypothesis=hypothesis, mechanism=mutation.name,
+                        notes=f"mutation {mutation.name} of {parent}; diagnosis {diag.to_json()}", parent=parent)

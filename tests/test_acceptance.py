@@ -1,0 +1,189 @@
+"""Acceptance that noise cannot fool: the paired decision rules, the null probe on fresh samples,
+and the search loop on an engine whose successes are coin flips."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+
+from whale.config import Config
+from whale.engine.base import Generation
+from whale.engine.null import NullEngine
+from whale.harness.runner import RolloutRunner
+from whale.search.acceptance import choose, paired_test, sign_flip_p
+from whale.search.archive import Archive
+from whale.search.guard import null_probe
+from whale.search.loop import HarnessSearch
+from whale.search.proposers import Proposal
+from whale.store import BUDGET_PURPOSES
+from tests.toy import H0, ScriptedEngine, ToyDomain
+
+
+# ----------------------------------------------------------------------------- the rules, pure
+def test_sign_flip_p_is_exact_for_few_differences():
+    assert sign_flip_p([1, 1, 1] + [0] * 29) == pytest.approx(1 / 8)  # 3 won, none lost: not shown at 0.05
+    assert sign_flip_p([1] * 5 + [0] * 27) == pytest.approx(1 / 32)
+    assert sign_flip_p([0.0] * 10) == 1.0
+    assert sign_flip_p([1, -1]) == pytest.approx(3 / 4)
+    many = [1.0] * 30 + [-1.0] * 10
+    assert sign_flip_p(many) == pytest.approx(sum(math.comb(40, j) for j in range(30, 41)) / 2 ** 40)  # exact
+    floats = [random.Random(i).random() for i in range(60)]  # arbitrary floats: too many sums, sampled
+    assert 0 < sign_flip_p(floats, seed=1) < 1e-3
+
+
+def test_paired_test_uses_only_common_problems():
+    t = paired_test({"a": 1.0, "b": 0.5, "c": 1.0}, {"a": 0.0, "b": 0.5, "z": 1.0})
+    assert t.n == 2 and t.gain == pytest.approx(0.5) and t.mean_a == pytest.approx(0.75)
+
+
+def _draw(rng, rate, problems, k):
+    return {f"p{i}": sum(rng.random() < rate for _ in range(k)) / k for i in range(problems)}
+
+
+def _phase(rng, rates, incoming_rate, *, problems=16, k_select=1, k_fresh=2, top=2):
+    """One simulated harness phase: select on one draw, decide by `choose` on fresh draws."""
+    selection = {f"c{j}": _draw(rng, r, problems, k_select) for j, r in enumerate(rates)}
+    incoming_sel = _draw(rng, incoming_rate, problems, k_select)
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    ranked = sorted((c for c in selection if mean(selection[c]) > mean(incoming_sel)), key=lambda c: -mean(selection[c]))
+    old_rule = ranked[0] if ranked else None  # best on the selection traces wins
+    fresh = {c: _draw(rng, rates[int(c[1:])], problems, k_fresh) for c in ranked[:top]}
+    new_rule, _ = choose(_draw(rng, incoming_rate, problems, k_fresh), fresh, alpha=0.05)
+    return old_rule, new_rule
+
+
+def test_a_lucky_candidate_on_noise_is_not_accepted():
+    """Four candidates exactly as good as the incoming harness (success 0.3), 16 problems x 1 sample:
+    the best of them beats the incoming score by chance most of the time; the fresh paired test
+    almost never lets one through."""
+    rng = random.Random(0)
+    outcomes = [_phase(rng, [0.3] * 4, 0.3) for _ in range(300)]
+    old = sum(o is not None for o, _ in outcomes) / len(outcomes)
+    new = sum(n is not None for _, n in outcomes) / len(outcomes)
+    assert old > 0.6 and new < 0.05, (old, new)
+
+
+def test_a_real_gain_is_accepted():
+    rng = random.Random(1)
+    outcomes = [_phase(rng, [0.3, 0.3, 0.75], 0.3) for _ in range(200)]
+    assert sum(n == "c2" for _, n in outcomes) / len(outcomes) > 0.9
+    wrong = sum(n not in (None, "c2") for _, n in outcomes) / len(outcomes)
+    assert wrong < 0.05
+
+
+def test_margin_and_alpha_are_respected():
+    base = {f"p{i}": 0.0 for i in range(32)}
+    better = {f"p{i}": 1.0 if i < 6 else 0.0 for i in range(32)}  # +0.19, p = 1/64
+    assert choose(base, {"a": better}, alpha=0.05)[0] == "a"
+    assert choose(base, {"a": better}, alpha=0.01)[0] is None
+    assert choose(base, {"a": better}, alpha=0.05, margin=0.2)[0] is None
+    winner, tests = choose(base, {"a": better, "b": better}, alpha=0.05)  # Bonferroni: 0.025 each
+    assert winner == "a" and tests["b"]["level"] == pytest.approx(0.025) and tests["b"]["passes"]
+
+
+# ----------------------------------------------------------------------------- with real rollouts
+class CoinEngine(ScriptedEngine):
+    """Right answer with probability 0.9 when the prompt says 'carefully', else 0.3; the coin is
+    seeded by the request's seed and its prompt, so different prompts give independent coins on
+    the same seeds (as a real model's samples would)."""
+
+    returns_ids = False
+
+    def generate(self, requests, sampling):
+        out = []
+        for r in requests:
+            text = " ".join(m["content"] for m in r.messages)
+            a, b = (int(x) for x in re.findall(r"What is (\d+) \+ (\d+)", text)[0])
+            rate = 0.9 if "carefully" in text else 0.3
+            gens = []
+            for i in range(r.n):
+                rng = random.Random(f"{r.seed}/{i}/{text}")
+                ans = str(a + b) if rng.random() < rate else "?"
+                gens.append(Generation(text=ans, finish_reason="stop", weights_version=self.weights_version,
+                                       prompt_tokens=len(text.split()), completion_tokens=1))
+            out.append(gens)
+        return out
+
+
+def variant(note: str) -> str:
+    return H0.replace('"You add numbers."', repr(f"You add numbers. {note}"))
+
+
+class OneRound:
+    name = "scripted"
+    last_error, last_usage = None, {}
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def propose(self, archive, domain, n, workspace, context):
+        out, self.sources = [Proposal(s, "noise", "prompt") for s in self.sources], []
+        return out
+
+
+@pytest.fixture(scope="module")
+def coin():
+    cfg = Config()
+    cfg.runner.concurrency = 8
+    cfg.harness.smoke_examples = 1
+    domain = ToyDomain(16)
+    runner, null = RolloutRunner(CoinEngine(), domain, cfg), RolloutRunner(NullEngine(), domain, cfg)
+    yield cfg, domain, runner, null
+    runner.close()
+    null.close()
+
+
+def run_search(coin, tmp_path, sources, seed):
+    cfg, domain, runner, null = coin
+    cfg = cfg.model_copy(deep=True)
+    cfg.seed, cfg.harness.candidates_per_iteration = seed, len(sources)
+    archive = Archive(tmp_path / f"run{seed}")
+    archive.add_candidate(H0, None, "base")
+    ledger = []
+    search = HarnessSearch(cfg, domain, runner, archive, OneRound(sources), progress=False, null_runner=null,
+                           ledger_callback=lambda p, t: ledger.append((p, len(t))))
+    return search.run_phase("h0", "base", iterations=2), archive, ledger
+
+
+def test_search_keeps_the_incoming_harness_against_lucky_noise(coin, tmp_path):
+    lucky_seen = 0
+    for seed in range(2):
+        noise = [variant(f"Note {j}.") for j in range(4)]  # all as good as h0 (0.3)
+        result, archive, ledger = run_search(coin, tmp_path, noise, seed)
+        best = archive.ranking("base")[0]
+        lucky_seen += best != "h0"
+        assert result.accepted_id == "h0" and result.gain == 0.0
+        if best != "h0":  # the old rule would have taken `best`; the fresh re-run refused it
+            confirms = [r for r in result.history if r["event"] == "confirm"]
+            assert confirms and not any(r["passes"] for r in confirms)
+            assert ("confirm", 16 * 2) in ledger  # incoming and candidates re-run: 16 problems x 2
+    assert lucky_seen >= 1  # the selection was fooled, so the test is not vacuous
+
+
+def test_search_accepts_a_real_gain_with_its_fresh_paired_gain(coin, tmp_path):
+    sources = [variant("Note 1."), variant("Add carefully.")]
+    result, archive, ledger = run_search(coin, tmp_path, sources, seed=7)
+    assert result.accepted_id == "h2" and 0.3 < result.gain < 0.9
+    confirm = archive.meta("h2")["confirm"]["base/p1"]
+    assert confirm["k"] == 2 and confirm["mean"] > 0.7
+    probe = archive.meta("h2")["null_probe"]["base/p1"]
+    assert not probe["flagged"] and probe["null"] == 0.0  # the null engine never adds numbers
+    assert "confirm" in BUDGET_PURPOSES
+
+
+def test_null_probe_passes_a_small_real_gain_and_flags_a_harness_that_ignores_the_model(coin):
+    cfg, domain, runner, null = coin
+    cfg = cfg.model_copy(deep=True)
+    cfg.harness.null_probe_items = 16
+    items = domain.problems
+    small = {p.id: (1.0 if i < 2 else 0.0) for i, p in enumerate(items)}  # real 0.125, null 0.0
+    honest = null_probe(runner, H0, items, cfg, null_runner=null, real_rewards=small, samples=2)
+    assert honest["real"] < 0.2 and honest["null"] == 0.0 and not honest["flagged"]  # old rule: flagged (< 0.05 drop)
+    cheat = H0.replace("env.submit(str(out))", "env.submit(str(env.add(*[int(x) for x in "
+                       "__import__('re').findall(r'\\d+', env.question)[:2]])))")
+    fresh = {p.id: 1.0 for p in items}
+    flagged = null_probe(runner, cheat, items, cfg, null_runner=null, real_rewards=fresh, samples=1)
+    assert flagged["null"] == 1.0 and flagged["p"] == 1.0 and flagged["flagged"]

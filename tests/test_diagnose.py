@@ -1,0 +1,113 @@
+"""The search reads its archive: failure modes from raw traces, mechanisms chosen for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from whale.config import Config
+from whale.search import mutation as M
+from whale.search.archive import Archive
+from whale.search.brief import make_brief
+from whale.search.diagnose import diagnose, episode_modes, key_terms
+from whale.search.proposers import ProposalContext
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCHQA_H0 = (ROOT / "whale" / "domains" / "searchqa" / "h0.py").read_text()
+
+
+def row(question, query=None, passages=(), answer="<answer>x</answer>", reward=0.0, finish="stop", error=None):
+    tools = []
+    if query is not None:
+        tools.append({"name": "search", "args": [query], "kwargs": {"k": 1},
+                      "result": [{"title": t, "text": x} for t, x in passages], "error": None})
+    if answer is not None:
+        tools.append({"name": "submit", "args": [answer], "kwargs": {}, "result": {"ok": True}, "error": None})
+    return {"problem_id": question, "question": question, "reward": reward, "answer": answer, "error": error,
+            "calls": [{"messages": [], "completion": "", "finish_reason": finish}], "tool_calls": tools}
+
+
+Q = "What is the capital of Kenya?"
+KENYA = ("Kenya: Government > Capital > name", "Nairobi")
+
+
+def test_key_terms_split_entity_from_what_is_asked():
+    assert key_terms("What is the currency of San Marino?") == (["san", "marino"], ["currency"])
+    assert key_terms("What is the capital of Côte d'Ivoire?")[0][0] == "cote"
+
+
+def test_each_searchqa_failure_mode_is_recognised():
+    cases = {
+        "off_topic_query": row(Q, "your query", [("Paris: Government > Capital > name", "Paris")]),
+        "off_topic_retrieval": row(Q, "Kenya capital", [("Paris: Government > Capital > name", "Paris")]),
+        "missing_relation": row("What is the currency of Kenya?", "Kenya", [KENYA]),
+        "empty_retrieval": row(Q, "Kenya", []),
+        "unused_tool": row(Q),
+        "long_answer": row(Q, "Kenya", [KENYA], answer="<answer>The capital of Kenya is a big city</answer>"),
+        "empty_answer": row(Q, "Kenya", [KENYA], answer="<answer></answer>"),
+        "no_answer_tag": row(Q, "Kenya", [KENYA], answer="Mombasa"),
+        "no_submission": row(Q, "Kenya", [KENYA], answer=None, error="never submitted"),
+        "length_cutoff": row(Q, "Kenya", [KENYA], finish="length"),
+        "harness_error": row(Q, "Kenya", [KENYA], error="harness raised ValueError: boom"),
+        "wrong_answer": row(Q, "Kenyan capital", [KENYA], answer="<answer>Mombasa</answer>"),
+    }
+    for mode, r in cases.items():
+        assert mode in episode_modes(r, "searchqa"), (mode, episode_modes(r, "searchqa"))
+    assert episode_modes(cases["wrong_answer"], "searchqa") == ["wrong_answer"]
+
+
+def test_diagnosis_counts_failures_only_and_names_the_dominant_mode():
+    rows = [row(Q, "your query", [("Paris: x", "Paris")]) for _ in range(5)] + \
+        [row(Q, "Kenya", [KENYA], answer="<answer>It is the city of Nairobi in Kenya</answer>") for _ in range(2)] + \
+        [row(Q, "Kenya", [KENYA], answer="<answer>Nairobi</answer>", reward=1.0) for _ in range(3)]
+    d = diagnose(rows, "searchqa")
+    assert (d.episodes, d.failures, d.dominant) == (10, 7, "off_topic_query")
+    assert d.counts["long_answer"] == 2 and "off_topic_query in 5/7" in d.text()
+    assert "All 3 episodes succeeded" in diagnose(rows[-3:], "searchqa").text()
+
+
+def test_math_and_chess_modes():
+    boxed = row("Compute 2+2.", answer="The answer is 4")
+    assert {"unused_tool", "no_boxed_answer"} <= set(episode_modes(boxed, "math"))
+    illegal = {"question": "mate", "reward": 0.0, "answer": "e2e5", "calls": [],
+               "tool_calls": [{"name": "move", "args": ["e2e5"], "kwargs": {},
+                               "result": {"error": "illegal or unparsable move 'e2e5' in this position"}}]}
+    assert "illegal_move" in episode_modes(illegal, "chess")
+    assert episode_modes(row("anything", answer="7"), "custom") == ["wrong_answer"]  # generic domain
+
+
+class SearchQA:
+    name = "searchqa"
+    brief = "search QA"
+
+
+def archive_with(tmp_path, rows) -> Archive:
+    from whale.harness.trajectory import Trajectory
+
+    archive = Archive(tmp_path)
+    archive.add_candidate(SEARCHQA_H0, None, "base")
+    trajs = []
+    for i, r in enumerate(rows):
+        r = {**r, "problem_id": f"p{i}", "sample": 0, "harness_id": "h0"}
+        trajs.append(Trajectory.from_json(r))
+    archive.record_scores("h0", "v0", trajs)
+    return archive
+
+
+def test_mutation_proposer_addresses_the_dominant_failure_and_says_why(tmp_path):
+    ctx = ProposalContext(iteration=2, weights_version="v0", incoming_id="h0")
+    bad_queries = archive_with(tmp_path / "a", [row(Q, "your query", [("Paris: x", "Paris")])] * 8)
+    for seed in range(4):
+        first = M.MutationProposer(seed=seed).propose(bad_queries, SearchQA(), 2, tmp_path / "ws", ctx)
+        assert {p.mechanism for p in first} == {"question_as_query", "force_retrieval"}
+    hyp = first[0].hypothesis
+    assert "off_topic_query in 8/8" in hyp and "addresses off_topic_query" in hyp and first[0].parent == "h0"
+    sentences = archive_with(tmp_path / "b", [row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")] * 8)
+    got = M.MutationProposer(seed=0).propose(sentences, SearchQA(), 2, tmp_path / "ws", ctx)
+    assert {p.mechanism for p in got} <= set(M.FIXES) and \
+        all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == p.mechanism)) for p in got)
+
+
+def test_brief_carries_the_same_diagnosis(tmp_path):
+    text = diagnose([row(Q, "your query", [("Paris: x", "Paris")])], "searchqa").text()
+    brief = make_brief(SearchQA(), Config(), 2, weights_version="v0", incoming_id="h0", diagnoses={"h0": text})
+    assert "What the traces show" in brief and text in brief
