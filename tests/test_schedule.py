@@ -1,6 +1,8 @@
 """Each schedule's phase sequence, driven by the same state machine the run uses."""
 
 
+import pytest
+
 from whale.config import load_config
 from whale.schedule import Progress, Schedule
 
@@ -90,3 +92,93 @@ def test_rollout_budget_skips_harness_phase_it_cannot_follow_with_weights():
 def test_fraction_of_an_epoch_rounds_to_at_least_one_step():
     cfg = load_config(None, ["schedule.weight_epochs=0.01"])
     assert Schedule(cfg, 10, 1, 1).phase_steps_fixed() == 1
+
+
+# ----------------------------------------------------------------------------- adaptive, exercised
+def adaptive_weight_phases(accept_rates, **patience):
+    """Weight-phase lengths of an adaptive whale run fed these accept rates, with the run's own
+    patience rule (WeightPatience reset at every phase, as run.py does)."""
+    from whale.weights.patience import WeightPatience
+
+    cfg = load_config(None, ["schedule.kind=whale", "schedule.adaptive=true", "schedule.min_weight_steps=2",
+                             "schedule.budget_epochs=null", f"schedule.budget_steps={len(accept_rates)}"])
+    s, p = Schedule(cfg, 100, 10, 10), Progress()
+    lengths, rates = [], iter(accept_rates)
+    while True:
+        rule = WeightPatience(**{"window": 2, "burn_in": 2, "patience": 2, **patience})
+        p.phase_steps = 0
+        while True:
+            rule.update(next(rates))
+            p.weight_steps += 1
+            p.phase_steps += 1
+            p.patience_stop = rule.should_stop()
+            if s.weight_phase_over(p):
+                break
+        lengths.append(p.phase_steps)
+        if s.after_weight_phase(p) == "done":
+            return lengths
+
+
+def test_adaptive_weight_phases_last_while_the_accept_rate_improves():
+    rising_then_flat = [0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    flat = [0.3] * 10
+    assert adaptive_weight_phases(rising_then_flat)[0] == 8  # best 2-step window ends at step 6; 2 stale steps
+    assert adaptive_weight_phases(flat)[:2] == [4, 4]  # burn-in 2 + patience 2: a plateau ends phases early
+    assert sum(adaptive_weight_phases(flat)) == 10  # the step budget still ends the run
+
+
+# ----------------------------------------------------------------------------- kind: gain
+def gain_phases(weight_slope, harness_gain, budget=2000, explore=2, step_cost=32, iteration_cost=64):
+    """Simulate a `gain` run: weight phases see accept rates rising by weight_slope(i) per step;
+    harness phase i gains harness_gain(i) on fresh samples. Returns the phase sequence."""
+    cfg = load_config(None, ["schedule.kind=gain", "schedule.weight_epochs=0.01", "schedule.harness_iterations=2",
+                             "schedule.budget_epochs=null", f"schedule.budget_rollouts={budget}",
+                             f"schedule.gain_explore={explore}"])
+    s, p = Schedule(cfg, 100, iteration_cost, step_cost, harness_phase_extra=16), Progress()
+    seq, phase, w, h = [], s.first_phase(), 0, 0
+    while phase != "done" and len(seq) < 100:
+        p.phase_start_rollouts = p.budget_rollouts
+        if phase == "weight":
+            p.phase_steps, p.phase_accept_rates = 0, []
+            while True:
+                p.weight_steps += 1
+                p.phase_steps += 1
+                p.budget_rollouts += step_cost
+                p.phase_accept_rates.append(0.2 + weight_slope(w) * p.phase_steps)
+                if s.weight_phase_over(p):
+                    s.record_weight_phase(p)
+                    phase = s.after_weight_phase(p)
+                    if phase != "weight_more":
+                        break
+            seq.append("W")
+            w += 1
+        else:
+            p.budget_rollouts += 2 * iteration_cost + 16
+            s.record_harness_phase(p, harness_gain(h))
+            phase = s.after_harness_phase(p)
+            seq.append("H")
+            h += 1
+    return "".join(seq), p
+
+
+def test_gain_tries_each_side_once_then_follows_the_higher_gain_per_rollout():
+    seq, p = gain_phases(lambda i: 0.0, lambda i: 0.25 if i < 3 else 0.0)  # harness pays, weights never
+    assert seq.startswith("WHH")  # each side once, then harness again (it gained, weights did not)
+    assert "HHH" not in seq  # after gain_explore=2 harness phases in a row, weights are retried
+    assert p.gains[0]["phase"] == "weight" and p.gains[1]["per_rollout"] == pytest.approx(0.25 / 144, rel=1e-3)
+
+
+def test_gain_retries_a_stalled_side_and_alternates_when_nothing_pays():
+    seq, _ = gain_phases(lambda i: 0.05, lambda i: 0.0)  # weights pay, harness search never finds anything
+    assert seq.startswith("WHWWH")  # weight twice in a row, then harness is explored once
+    assert seq.count("H") >= seq.count("W") // 3
+    seq, _ = gain_phases(lambda i: 0.0, lambda i: 0.0, budget=700)
+    assert seq.startswith("WHWH")  # no side gains: WHALE's alternation
+    assert seq.endswith("W")  # and the budget still ends on a weight phase
+
+
+def test_gain_weight_phases_have_at_least_two_steps_and_the_budget_is_kept():
+    cfg = load_config(None, ["schedule.kind=gain", "schedule.weight_epochs=0.01"])
+    assert Schedule(cfg, 10, 10, 10).phase_steps_fixed() == 2
+    seq, p = gain_phases(lambda i: 0.01, lambda i: 0.1, budget=1000)
+    assert p.budget_rollouts <= 1000 + 32 and seq.endswith("W")

@@ -154,7 +154,7 @@ class HarnessSearchConfig(_Strict):
 
 
 class ScheduleConfig(_Strict):
-    kind: Literal["whale", "weight_only", "harness_only", "prompt_only", "stagewise"] = "whale"
+    kind: Literal["whale", "weight_only", "harness_only", "prompt_only", "stagewise", "gain"] = "whale"
     adaptive: bool = False
     weight_epochs: float = Field(0.6, description="E: weight-phase length in epochs of D_weight")
     harness_iterations: int = Field(6, description="I: includes re-scoring the incoming harness")
@@ -164,6 +164,8 @@ class ScheduleConfig(_Strict):
     budget_steps: int | None = None
     budget_rollouts: int | None = None
     end_with_weight_phase: bool = True
+    gain_explore: int = Field(2, ge=1, description="kind gain: after this many phases in a row on one side, "
+                              "the other side runs once (so a stalled side is retried)")
 
 
 class EvalConfig(_Strict):

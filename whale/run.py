@@ -107,7 +107,8 @@ class Experiment:
         h = cfg.harness
         iteration_cost = h.candidates_per_iteration * len(self.splits["harness"]) * h.samples_per_example
         step_cost = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
-        self.schedule = Schedule(cfg, self.stream.steps_per_epoch, iteration_cost, step_cost)
+        confirm_cost = (h.confirm_top + 1) * len(self.splits["harness"]) * h.confirm_samples if h.confirm_top else 0
+        self.schedule = Schedule(cfg, self.stream.steps_per_epoch, iteration_cost, step_cost, confirm_cost)
         self.progress = Progress(**state.get("progress", {}))
         self.trainer = None
         state.setdefault("phase", self.schedule.first_phase())
@@ -233,6 +234,7 @@ class Experiment:
                     on_rollouts=self._on_weight_rollouts)
         if self.progress.phase_steps == 0:
             self.patience = type(self.patience)(self.patience.window, self.patience.burn_in, self.patience.patience)
+            self.progress.phase_accept_rates, self.progress.phase_start_rollouts = [], self.run_dir.ledger.budget_rollouts
             console.print(f"[cyan]weight phase[/] (cycle {st['cycle']}, harness {hid})")
         while True:
             step = self.progress.weight_steps
@@ -244,6 +246,7 @@ class Experiment:
             self.progress.weight_steps += 1
             self.progress.phase_steps += 1
             self.patience.update(result.accept_rate)
+            self.progress.phase_accept_rates.append(result.accept_rate)
             self.progress.patience_stop = self.patience.should_stop()
             if result.weights_version:
                 st["weights_version"] = result.weights_version
@@ -258,6 +261,8 @@ class Experiment:
             if every and self.progress.weight_steps % every == 0 and not phase_over:
                 self.maybe_evaluate(f"w{self.progress.weight_steps}")
             if phase_over:
+                self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
+                self.log("phase_gain", **self.schedule.record_weight_phase(self.progress))
                 nxt = self.schedule.after_weight_phase(self.progress)
                 if nxt == "weight_more":
                     continue
@@ -316,6 +321,7 @@ class Experiment:
         if st.get("search"):
             search.load_state_dict(st["search"])
         else:
+            self.progress.phase_start_rollouts = self.run_dir.ledger.budget_rollouts
             console.print(f"[magenta]harness phase[/] (cycle {st['cycle']}, incoming {st['harness_id']}, "
                           f"weights {st['weights_version']})")
         iterations = None if cfg.schedule.adaptive else self.schedule.harness_iterations_planned()
@@ -342,7 +348,9 @@ class Experiment:
         st["search"] = None
         self.progress.harness_phases += 1
         self.unit = f"c{st['cycle']}-accept"
-        self.log("harness_accepted", accepted=result.accepted_id, iterations=result.iterations)
+        self.log("harness_accepted", accepted=result.accepted_id, iterations=result.iterations, gain=result.gain)
+        self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
+        self.log("phase_gain", **self.schedule.record_harness_phase(self.progress, result.gain))
         console.print(f"  accepted harness {result.accepted_id} after {result.iterations} iterations")
         if self.cfg.eval.at_phase_ends:
             self.maybe_evaluate(f"c{st['cycle']}-h")

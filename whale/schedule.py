@@ -11,6 +11,33 @@ decisions below, never in how a phase runs:
 | harness_only  | one harness phase until the budget ends, weights frozen        |
 | prompt_only   | as whale, but the search may edit only the prompt constants    |
 | stagewise     | all weight epochs, then all harness iterations                 |
+| gain          | after each phase, the side with the higher recent gain per rollout |
+
+Adaptive (`schedule.adaptive: true`, any alternating kind): a weight phase lasts at least
+`min_weight_steps` and ends when the training accept rate, smoothed over
+`weight_patience.window` steps, has set no new phase-best for `weight_patience.patience` steps
+after `burn_in` (weights/patience.py, the paper's early stop); a harness phase runs at least
+1 + harness.min_iterations and at most 1 + harness.max_iterations iterations and ends after
+harness.patience iterations without a new best success rate (search/loop.py).
+
+Cost-aware (`kind: gain`, new here: neither WHALE, Meta-Harness nor BetterTogether has it).
+Phases keep their lengths (E steps / I iterations, or adaptive), but which side runs next is
+decided from what each side bought per budget rollout the last time it ran:
+- weight gain per rollout: the least-squares slope of the training accept rate over the
+  phase's steps, divided by the rollouts of one step (a weight phase under `gain` has at least
+  2 steps, so a slope exists);
+- harness gain per rollout: the accepted harness's paired gain over the incoming one on fresh
+  samples of D_harness (acceptance.py; 0 when the incoming harness is kept), divided by the
+  phase's budget rollouts (re-scoring, candidates, confirmation).
+Both are changes in the success rate of the current (harness, weights) on training-distribution
+problems, measured on rollouts the phase spends anyway: no extra probe, and neither is the
+selection score that made a candidate look good. Rule, after every phase:
+1. each side runs once first (weight, then harness: the paper's order);
+2. exploration: once one side has run `gain_explore` phases in a row, the other runs next, so
+   a stalled side is retried (its gain may have changed: the two sides are coupled);
+3. if neither side gained (both <= 0), alternate, as WHALE does;
+4. otherwise the side with the higher gain per rollout runs next (a tie goes to the other side).
+Budgets are checked as for whale: a harness phase is chosen only when a weight step can follow.
 
 Budgets (epochs of D_weight, weight steps, or total budget rollouts = weight + harness-search
 rollouts) end a run only at a unit boundary; by default a whale run does not start a harness phase
@@ -20,7 +47,8 @@ it could not follow with a weight step, so it ends on a weight phase, as in the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from whale.config import Config
 
@@ -35,14 +63,19 @@ class Progress:
     harness_iterations: int = 0  # total harness iterations done (incl. re-scoring)
     budget_rollouts: int = 0
     patience_stop: bool = False  # the weight-phase patience rule fired
+    phase_start_rollouts: int = 0  # budget rollouts when the current phase began
+    phase_accept_rates: list[float] = field(default_factory=list)  # accept rate of each step of this weight phase
+    gains: list[dict[str, Any]] = field(default_factory=list)  # one row per finished phase (kind gain reads it)
 
 
 class Schedule:
-    def __init__(self, cfg: Config, steps_per_epoch: int, harness_iteration_cost: int, weight_step_cost: int):
+    def __init__(self, cfg: Config, steps_per_epoch: int, harness_iteration_cost: int, weight_step_cost: int,
+                 harness_phase_extra: int = 0):
         self.cfg = cfg.schedule
         self.steps_per_epoch = max(1, steps_per_epoch)
         self.harness_iteration_cost = harness_iteration_cost  # rollouts of one harness iteration
         self.weight_step_cost = weight_step_cost
+        self.harness_phase_extra = harness_phase_extra  # at most this many confirmation rollouts per phase
 
     @property
     def kind(self) -> str:
@@ -83,7 +116,8 @@ class Schedule:
 
     def phase_steps_fixed(self) -> int:
         """Weight steps per weight phase under the fixed schedule (at least one)."""
-        return max(1, round(self.cfg.weight_epochs * self.steps_per_epoch))
+        least = 2 if self.kind == "gain" else 1  # a gain-per-rollout slope needs two accept rates
+        return max(least, round(self.cfg.weight_epochs * self.steps_per_epoch))
 
     # ------------------------------------------------------------------ decisions
     def first_phase(self) -> str:
@@ -98,7 +132,8 @@ class Schedule:
         if self.kind == "stagewise":
             return False  # stagewise: one weight stage, ended by the budget only
         if self.cfg.adaptive:
-            return p.phase_steps >= self.cfg.min_weight_steps and p.patience_stop
+            least = max(self.cfg.min_weight_steps, 2 if self.kind == "gain" else 1)
+            return p.phase_steps >= least and p.patience_stop
         return p.phase_steps >= self.phase_steps_fixed()
 
     def after_weight_phase(self, p: Progress) -> str:
@@ -108,11 +143,10 @@ class Schedule:
             return "harness" if p.harness_phases == 0 else "done"
         if self.weight_budget_spent(p):
             return "done"
-        left = self.budget_left(p)
-        if left is not None and self.cfg.end_with_weight_phase:
-            need = self.harness_iterations_planned() * self.harness_iteration_cost + self.weight_step_cost
-            if left < need:
-                return "done" if p.phase_steps == 0 else "weight_more"
+        if self.kind == "gain" and self.gain_next(p, "weight") == "weight":
+            return "weight"
+        if not self.harness_phase_fits(p):
+            return "done" if p.phase_steps == 0 else "weight_more"
         return "harness"
 
     def after_harness_phase(self, p: Progress) -> str:
@@ -120,18 +154,74 @@ class Schedule:
             return "done"
         if self.weight_budget_spent(p):
             return "done"
+        if self.kind == "gain" and self.gain_next(p, "harness") == "harness" and self.harness_phase_fits(p):
+            return "harness"
         return "weight"
+
+    def harness_phase_fits(self, p: Progress) -> bool:
+        """A rollout budget leaves room for a whole harness phase and one weight step after it."""
+        left = self.budget_left(p)
+        if left is None or not self.cfg.end_with_weight_phase:
+            return True
+        need = self.harness_iterations_planned() * self.harness_iteration_cost + self.harness_phase_extra
+        return left >= need + self.weight_step_cost
+
+    # ------------------------------------------------------------------ kind: gain
+    def record_weight_phase(self, p: Progress) -> dict[str, Any]:
+        """After a weight phase: its gain per rollout, the accept-rate slope per step over the
+        rollouts of one step. Idempotent (a phase extended by `weight_more` replaces its row)."""
+        return self._record(p, "weight", _slope(p.phase_accept_rates) / max(1, self.weight_step_cost))
+
+    def record_harness_phase(self, p: Progress, gain: float) -> dict[str, Any]:
+        """After a harness phase: the fresh paired gain of the accepted harness per phase rollout."""
+        spent = max(1, p.budget_rollouts - p.phase_start_rollouts)
+        return self._record(p, "harness", gain / spent)
+
+    def _record(self, p: Progress, phase: str, per_rollout: float) -> dict[str, Any]:
+        spent = p.budget_rollouts - p.phase_start_rollouts
+        row = {"phase": phase, "start_rollouts": p.phase_start_rollouts, "rollouts": spent,
+               "per_rollout": round(per_rollout, 7), "gain": round(per_rollout * spent, 4)}
+        if p.gains and p.gains[-1]["phase"] == phase and p.gains[-1]["start_rollouts"] == p.phase_start_rollouts:
+            p.gains[-1] = row
+        else:
+            p.gains.append(row)
+        return row
+
+    def gain_next(self, p: Progress, last: str) -> str:
+        """Which side runs after a `last` phase under kind gain (the rule in the module docstring)."""
+        other = "harness" if last == "weight" else "weight"
+        latest = {row["phase"]: row["per_rollout"] for row in p.gains}
+        if other not in latest:
+            return other
+        streak = 0
+        for row in reversed(p.gains):
+            if row["phase"] != last:
+                break
+            streak += 1
+        if streak >= self.cfg.gain_explore:
+            return other
+        mine, theirs = latest.get(last, 0.0), latest[other]
+        if max(mine, theirs) <= 0 or theirs >= mine:
+            return other
+        return last
 
     def harness_iterations_planned(self) -> int:
         """Iterations of one harness phase (adaptive: its maximum)."""
         h = self.cfg
         if self.kind == "harness_only" and self.cfg.budget_rollouts is not None and self.harness_iteration_cost:
-            return max(1, self.cfg.budget_rollouts // self.harness_iteration_cost)
+            return max(1, (self.cfg.budget_rollouts - self.harness_phase_extra) // self.harness_iteration_cost)
         return h.harness_iterations
 
     def harness_phase_over(self, p: Progress, iterations_this_phase: int) -> bool:
         """Between harness iterations (non-adaptive): budget check for rollout budgets."""
         left = self.budget_left(p)
-        if left is not None and left < self.harness_iteration_cost:
-            return True
-        return False
+        return left is not None and left < self.harness_iteration_cost + self.harness_phase_extra
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope of ys against 0, 1, 2, ... (0 for fewer than two points)."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
