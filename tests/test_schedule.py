@@ -182,3 +182,9 @@ def test_gain_weight_phases_have_at_least_two_steps_and_the_budget_is_kept():
     assert Schedule(cfg, 10, 10, 10).phase_steps_fixed() == 2
     seq, p = gain_phases(lambda i: 0.01, lambda i: 0.1, budget=1000)
     assert p.budget_rollouts <= 1000 + 32 and seq.endswith("W")
+
+
+def test_harness_only_can_repeat_phases_for_a_curve():
+    seq = phases(["schedule.kind=harness_only", "schedule.budget_rollouts=95", "schedule.budget_epochs=null",
+                  "schedule.harness_iterations=4", "schedule.repeat_harness_phases=true"])
+    assert seq == [("H", 4), ("H", 4), ("H", 1)]  # 9 iterations in all, as with one long phase

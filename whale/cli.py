@@ -179,12 +179,14 @@ def report_cmd(run_dir: str):
 
 
 @app.command("compare")
-def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="output folder")):
+def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="output folder"),
+                ref: list[str] = typer.Option([], "--ref", help="method to difference the others against "
+                                              "(repeatable; default: the first method)")):
     """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
     from whale.report import compare_runs
 
     try:
-        path = compare_runs(run_dirs, out)
+        path = compare_runs(run_dirs, out, references=ref or None)
     except ConfigError as e:
         _fail(str(e))
     console.print(Path(path).read_text())

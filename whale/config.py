@@ -164,6 +164,9 @@ class ScheduleConfig(_Strict):
     budget_steps: int | None = None
     budget_rollouts: int | None = None
     end_with_weight_phase: bool = True
+    repeat_harness_phases: bool = Field(False, description="harness_only: phases of harness_iterations each "
+                                        "(accept + phase-end evaluation after each) until the rollout budget ends, "
+                                        "so its accuracy-vs-rollouts curve has points")
     gain_explore: int = Field(2, ge=1, description="kind gain: after this many phases in a row on one side, "
                               "the other side runs once (so a stalled side is retried)")
 
@@ -174,6 +177,9 @@ class EvalConfig(_Strict):
     every_steps: int = Field(10, description="evaluate every N weight steps (0: never mid-phase)")
     at_phase_ends: bool = Field(True, description="evaluate at every phase boundary (else only at start and end)")
     limit: int | None = Field(None, description="evaluate on the first N problems of each split")
+    intermediate_splits: list[str] | None = Field(None, description="splits evaluated between the initial and "
+                                                  "final evaluations (default: splits), e.g. [val] to attribute "
+                                                  "gains to phases cheaply and keep test for start and end")
 
 
 class ComputeConfig(_Strict):

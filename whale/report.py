@@ -27,6 +27,7 @@ from whale.config import ConfigError  # noqa: E402
 from whale.store import BUDGET_PURPOSES, read_metrics  # noqa: E402
 
 PHASE_COLORS = {"weight": "#dbe9f6", "harness": "#f6e3db"}
+PHASE_COLORS_STRONG = {"W": "#4c8ed1", "H": "#d8774f"}
 
 
 def _load(run_dir: Path) -> tuple[list[dict], dict, dict]:
@@ -135,6 +136,83 @@ def _lineage_plot(run_dir: Path, accepted: list[str], path: Path) -> bool:
     return True
 
 
+def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
+    """Which phase bought how much: the change in `split` mean@k between consecutive evaluations,
+    labelled by the phases run in between (W1 = first weight phase, H1 = first harness phase),
+    with a paired bootstrap interval over the problems (both evaluations use the same problems)."""
+    out: list[dict[str, Any]] = []
+    prev, phases, counts, last_kind = None, [], {"W": 0, "H": 0}, None
+    for r in rows:
+        ev = r.get("event")
+        kind = "W" if ev == "weight_step" else "H" if ev in ("rescore", "iteration_end") else None
+        if kind is not None:
+            if kind != last_kind:
+                counts[kind] += 1
+                last_kind = kind
+            label = f"{kind}{counts[kind]}"
+            if label not in phases:
+                phases.append(label)
+        if ev != "eval" or r.get("split") != split:
+            continue
+        if prev is not None and prev.get("per_problem") and r.get("per_problem"):
+            point, lo, hi = paired_bootstrap([r["per_problem"]], [prev["per_problem"]])
+            out.append({"phases": "+".join(phases) or "-", "from": prev.get("tag"), "to": r.get("tag"),
+                        "before": prev["mean_at_k"], "after": r["mean_at_k"], "gain": point, "ci95": [lo, hi],
+                        "budget_rollouts": _x(r, "rollouts") - _x(prev, "rollouts")})
+        prev, phases = r, []
+    return out
+
+
+def _attribution_plot(parts: dict[str, list[dict]], path: Path, title: str) -> bool:
+    if not any(parts.values()):
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / max(1, len(parts))
+    labels = list(dict.fromkeys(p["phases"] for rows in parts.values() for p in rows))
+    for j, (split, rows) in enumerate(parts.items()):
+        xs = [labels.index(p["phases"]) + (j - (len(parts) - 1) / 2) * width for p in rows]
+        gains = [p["gain"] for p in rows]
+        err = [[g - p["ci95"][0] for g, p in zip(gains, rows)], [p["ci95"][1] - g for g, p in zip(gains, rows)]]
+        colors = [PHASE_COLORS_STRONG.get(p["phases"][0], "#999999") for p in rows]
+        ax.bar(xs, gains, width, yerr=err, capsize=3, color=colors, edgecolor="black", alpha=1.0 if j == 0 else 0.55,
+               label=f"{split} (paired 95% CI)")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("gain in mean@k")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], dict[str, list[dict]]]:
+    parts = {split: phase_attribution(rows, split) for split in splits}
+    parts = {k: v for k, v in parts.items() if v}
+    if not parts:
+        return [], parts
+    lines = ["## Which phase bought how much", "",
+             "Change in mean@k between consecutive evaluations, labelled by the phases run in between "
+             "(W = weight phase, H = harness phase, numbered in order); paired bootstrap 95% intervals over "
+             "the same problems. An interval that includes 0 is no effect shown.", "",
+             "| split | phases | evaluations | mean@k before → after | gain | 95% CI | budget rollouts |",
+             "|---|---|---|---|---|---|---|"]
+    for split, items in parts.items():
+        for p in items:
+            lines.append(f"| {split} | {p['phases']} | {p['from']} → {p['to']} | {p['before']:.3f} → {p['after']:.3f} | "
+                         f"{p['gain']:+.3f} | [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] | {p['budget_rollouts']} |")
+    for split in parts:
+        evals = [r for r in rows if r.get("event") == "eval" and r.get("split") == split and r.get("per_problem")]
+        if len(evals) >= 2:
+            point, lo, hi = paired_bootstrap([evals[-1]["per_problem"]], [evals[0]["per_problem"]])
+            lines += ["", f"**{split}, start → end: {evals[0]['mean_at_k']:.3f} → {evals[-1]['mean_at_k']:.3f}, "
+                      f"gain {point:+.3f}, paired 95% CI [{lo:+.3f}, {hi:+.3f}]** "
+                      f"({evals[-1].get('n')} problems × k={evals[-1].get('k')})."]
+    lines += ["", "![gain by phase](phase_gains.png)", ""]
+    return lines, parts
+
+
 def write_report(run_dir: str | Path) -> Path:
     from whale.run import load_summary
 
@@ -165,6 +243,9 @@ def write_report(run_dir: str | Path) -> Path:
               f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
               f"proposer time {led.get('proposer_seconds', 0)} s.", "",
               "![accuracy vs rollouts](accuracy_vs_rollouts.png)", "", "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
+    attribution, parts = _attribution_lines(rows, ["test", "val"])
+    if attribution and _attribution_plot(parts, out / "phase_gains.png", f"{name}: gain by phase"):
+        lines += attribution
     evals = [r for r in rows if r.get("event") == "eval"]
     if evals:
         lines += ["## Evaluations", "", "| unit | split | harness | weights | mean@k | 95% CI | pass@k | budget rollouts |",
@@ -191,11 +272,19 @@ def write_report(run_dir: str | Path) -> Path:
         lines.append("")
         if has_accept:
             lines += ["![accept rate](accept_rate.png)", ""]
-    harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error")]
+    harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error",
+                                                          "confirm", "null_probe")]
     if harness_rows or accepted:
         lines += ["## Harness phase", "", f"Accepted harnesses, phase by phase: {' -> '.join(['h0'] + accepted)}", "",
                   "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
         for r in harness_rows:
+            if r["event"] == "confirm":
+                r = {**r, "success_rate": r.get("mean_a"), "reason": f"fresh seeds: {r.get('mean_a', 0):.3f} vs incoming "
+                     f"{r.get('mean_b', 0):.3f}, paired gain {r.get('gain', 0):+.3f}, p={r.get('p')} "
+                     f"({'passes' if r.get('passes') else 'not shown'} at {r.get('level')})"}
+            elif r["event"] == "null_probe":
+                r = {**r, "success_rate": r.get("real"), "reason": f"null engine {r.get('null', 0):.3f}, p={r.get('p')}"
+                     f"{', FLAGGED' if r.get('flagged') else ''}"}
             sr = r.get("success_rate")
             lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
                          f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:80]} |")
@@ -247,7 +336,8 @@ def paired_bootstrap(a: list[list[float]], b: list[list[float]], iters: int = 20
     return round(point, 4), round(samples[int(0.025 * iters)], 4), round(samples[int(0.975 * iters) - 1], 4)
 
 
-def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Path:
+def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", references: list[str] | None = None) -> Path:
+    """`references`: methods to difference every other method against (default: the first one)."""
     from whale.run import load_summary
 
     if not run_dirs:
@@ -273,17 +363,11 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Pat
         secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
         lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
     lines += _per_seed_table(by_method)
-    ref = methods[0]
-    ref_by_seed = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[ref] if r["per_problem"]}
-    if len(methods) > 1 and ref_by_seed:
-        lines += ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over seeds and problems "
-                  "(same seed = same splits; 95%):", "", "| method | seeds | difference | 95% CI |", "|---|---|---|---|"]
-        for m in methods[1:]:
-            mine = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[m] if r["per_problem"]}
-            common = sorted(set(mine) & set(ref_by_seed))
-            if common:
-                d, lo, hi = paired_bootstrap([mine[s] for s in common], [ref_by_seed[s] for s in common])
-                lines.append(f"| {m} | {len(common)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+    for ref in [m for m in (references or methods[:1]) if m in by_method]:
+        lines += _difference_table(by_method, ref)
+    lines += _phase_sums_table(by_method)
+    if "weight_only" in by_method:
+        lines += _reach_table(by_method, "weight_only")
     # per-source breakdown of the final test evaluation
     lines += ["", "Per data source (final test evaluation, mean over runs):", ""]
     sources = sorted({s for m in methods for r in by_method[m] for s in _last_sources(r["rows"])})
@@ -311,6 +395,72 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare") -> Pat
     lines += ["", "![test mean@k vs rollouts](compare_rollouts.png)", "", "![test mean@k vs tokens](compare_tokens.png)", ""]
     (out / "compare.md").write_text("\n".join(lines))
     return out / "compare.md"
+
+
+def _difference_table(by_method: dict[str, list[dict]], ref: str) -> list[str]:
+    ref_by_seed = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[ref] if r["per_problem"]}
+    if len(by_method) < 2 or not ref_by_seed:
+        return []
+    lines = ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over seeds and problems "
+             "(same seed = same splits; 95%):", "", "| method | seeds | difference | 95% CI |", "|---|---|---|---|"]
+    for m in by_method:
+        if m == ref:
+            continue
+        mine = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[m] if r["per_problem"]}
+        common = sorted(set(mine) & set(ref_by_seed))
+        if common:
+            d, lo, hi = paired_bootstrap([mine[s] for s in common], [ref_by_seed[s] for s in common])
+            lines.append(f"| {m} | {len(common)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+    return lines
+
+
+def _phase_sums_table(by_method: dict[str, list[dict]], split: str = "val") -> list[str]:
+    """What each side bought, summed over a run's phases (phase attribution on `split`), mean over seeds."""
+    def sums(rows):
+        weight, harness, mixed = 0.0, [], 0.0
+        for p in phase_attribution(rows, split):
+            kinds = {label[0] for label in p["phases"].split("+")}
+            if kinds == {"W"}:
+                weight += p["gain"]
+            elif kinds == {"H"}:
+                harness.append(p["gain"])
+            else:
+                mixed += p["gain"]
+        return {"W": weight, "H": sum(harness), "H1": harness[0] if harness else None,
+                "Hlater": sum(harness[1:]) if len(harness) > 1 else None, "mixed": mixed}
+
+    table = {m: [sums(r["rows"]) for r in runs] for m, runs in by_method.items()}
+    if not any(phase_attribution(r["rows"], split) for runs in by_method.values() for r in runs):
+        return []
+    lines = ["", f"What each side bought ({split} mean@k gains attributed to phases, summed per run; mean ± sd over "
+             "seeds). H1 = the first harness phase (after the first weight phase, or under the base weights for "
+             "harness-only), later H = every harness phase after more weight updates:", "",
+             "| method | weight phases | harness phases | H1 | later H | mixed intervals |", "|---|---|---|---|---|---|"]
+    for m, rows in table.items():
+        lines.append(f"| {m} | " + " | ".join(_mean_sd([r[k] for r in rows]) for k in ("W", "H", "H1", "Hlater", "mixed"))
+                     + " |")
+    return lines
+
+
+def _reach_table(by_method: dict[str, list[dict]], ref: str, split: str = "val") -> list[str]:
+    """Budget rollouts each method needed to first reach `ref`'s best `split` mean@k (same seed)."""
+    def curve(rows):
+        return [(_x(r, "rollouts"), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
+
+    target = {r["cfg"].get("seed"): max((y for _, y in curve(r["rows"])), default=None) for r in by_method[ref]}
+    lines = ["", f"Budget rollouts to first reach **{ref}**'s best {split} mean@k of the same seed (its own curve: "
+             f"evaluations at phase ends and every eval.every_steps):", "",
+             "| method | reached (seeds) | budget rollouts (mean ± sd over the seeds that reached it) |", "|---|---|---|"]
+    for m, runs in by_method.items():
+        hits = []
+        for r in runs:
+            goal = target.get(r["cfg"].get("seed"))
+            if goal is not None and goal > 0:
+                xs = [x for x, y in curve(r["rows"]) if y >= goal - 1e-9]
+                hits.append(xs[0] if xs else None)
+        reached = [h for h in hits if h is not None]
+        lines.append(f"| {m} | {len(reached)}/{len(hits)} | {_mean_sd(reached, digits=0)} |")
+    return lines
 
 
 def _per_seed_table(by_method: dict[str, list[dict]]) -> list[str]:

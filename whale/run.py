@@ -167,12 +167,14 @@ class Experiment:
     # ------------------------------------------------------------------ evaluation
     def maybe_evaluate(self, tag: str) -> None:
         pair = [self.state["harness_id"], self.state["weights_version"]]
-        if tag == "final" and self.state.get("last_eval_pair") == pair:
-            return  # the last evaluation already measured this (harness, weights) pair
-        for split in self.cfg.eval.splits:
+        splits = self.cfg.eval.splits
+        if tag not in ("initial", "final") and self.cfg.eval.intermediate_splits is not None:
+            splits = self.cfg.eval.intermediate_splits
+        last = self.state.setdefault("last_eval_pairs", {})
+        for split in splits:
             unit = f"eval-{tag}-{split}"
-            if unit in self.state["evals_done"]:
-                continue
+            if unit in self.state["evals_done"] or (tag == "final" and last.get(split) == pair):
+                continue  # done, or this (harness, weights) pair was the last one measured on the split
             self.unit = unit
             problems = self.splits[split][: self.cfg.eval.limit or None]
             hid, version = self.state["harness_id"], self.state["weights_version"]
@@ -191,7 +193,7 @@ class Experiment:
                     self.state["val_best"] = {"mean_at_k": result.mean_at_k, "unit": unit, "tag": tag,
                                               "harness_id": hid, "weights_version": version}
             self.state["evals_done"].append(unit)
-            self.state["last_eval_pair"] = pair
+            self.state["last_eval_pair"] = last[split] = pair
             self.prune_weights()
             self.save()
 

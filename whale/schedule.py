@@ -8,7 +8,8 @@ decisions below, never in how a phase runs:
 | whale         | weight (E epochs) -> harness (I iterations) -> weight -> ...     |
 | whale+adaptive| weight until patience -> harness until patience (min/max) -> ... |
 | weight_only   | weight until the budget ends                                   |
-| harness_only  | one harness phase until the budget ends, weights frozen        |
+| harness_only  | one harness phase until the budget ends, weights frozen (or,   |
+|               | with repeat_harness_phases, phases of I iterations until then) |
 | prompt_only   | as whale, but the search may edit only the prompt constants    |
 | stagewise     | all weight epochs, then all harness iterations                 |
 | gain          | after each phase, the side with the higher recent gain per rollout |
@@ -150,6 +151,10 @@ class Schedule:
         return "harness"
 
     def after_harness_phase(self, p: Progress) -> str:
+        if self.kind == "harness_only" and self.cfg.repeat_harness_phases:
+            left = self.budget_left(p)
+            return "harness" if left is not None and left >= self.harness_iteration_cost + self.harness_phase_extra \
+                else "done"
         if self.kind in ("harness_only", "stagewise"):
             return "done"
         if self.weight_budget_spent(p):
@@ -208,7 +213,8 @@ class Schedule:
     def harness_iterations_planned(self) -> int:
         """Iterations of one harness phase (adaptive: its maximum)."""
         h = self.cfg
-        if self.kind == "harness_only" and self.cfg.budget_rollouts is not None and self.harness_iteration_cost:
+        if self.kind == "harness_only" and self.cfg.budget_rollouts is not None and self.harness_iteration_cost \
+                and not self.cfg.repeat_harness_phases:
             return max(1, (self.cfg.budget_rollouts - self.harness_phase_extra) // self.harness_iteration_cost)
         return h.harness_iterations
 

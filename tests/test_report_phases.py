@@ -1,0 +1,27 @@
+"""The report's phase attribution: each phase's gain between consecutive evaluations."""
+
+from whale.report import phase_attribution
+
+
+def ev(split, tag, per_problem, rollouts):
+    return {"event": "eval", "split": split, "tag": tag, "per_problem": per_problem, "n": len(per_problem), "k": 2,
+            "mean_at_k": sum(per_problem) / len(per_problem), "ledger": {"budget_rollouts": rollouts}}
+
+
+def test_gains_are_attributed_to_the_phases_between_evaluations():
+    n = 40
+    rows = [ev("test", "initial", [0.0] * n, 0),
+            {"event": "weight_step"}, {"event": "weight_step"},
+            ev("test", "w2", [0.0] * n, 64),
+            {"event": "rescore"}, {"event": "iteration_end"}, {"event": "iteration_end"},
+            ev("test", "c0-h", [1.0] * 10 + [0.0] * 30, 200),
+            {"event": "weight_step"},
+            ev("val", "w3", [0.5] * n, 232),  # another split does not break the test chain
+            {"event": "weight_step"},
+            ev("test", "w4", [1.0] * 20 + [0.0] * 20, 264)]
+    parts = phase_attribution(rows, "test")
+    assert [p["phases"] for p in parts] == ["W1", "H1", "W2"]
+    assert [p["gain"] for p in parts] == [0.0, 0.25, 0.25]
+    assert parts[1]["ci95"][0] > 0 and parts[0]["ci95"] == [0.0, 0.0]  # paired over the same problems
+    assert [p["budget_rollouts"] for p in parts] == [64, 136, 64]
+    assert phase_attribution(rows, "val") == []  # one val evaluation: nothing to attribute
