@@ -1,10 +1,17 @@
 """Each schedule's phase sequence, driven by the same state machine the run uses."""
 
 
+import os
+from pathlib import Path
+
 import pytest
 
+from tests.test_run import tiny_config
 from whale.config import load_config
+from whale.report import write_report
+from whale.run import run_experiment
 from whale.schedule import Progress, Schedule
+from whale.store import read_metrics
 
 
 def phases(overrides, steps_per_epoch=10, iteration_cost=10, step_cost=10, max_units=200, patience_at=None):
@@ -188,3 +195,17 @@ def test_harness_only_can_repeat_phases_for_a_curve():
     seq = phases(["schedule.kind=harness_only", "schedule.budget_rollouts=95", "schedule.budget_epochs=null",
                   "schedule.harness_iterations=4", "schedule.repeat_harness_phases=true"])
     assert seq == [("H", 4), ("H", 4), ("H", 1)]  # 9 iterations in all, as with one long phase
+
+
+def test_gain_schedule_runs_end_to_end_and_reports_gains_by_phase(tiny_model_dir, tmp_path, monkeypatch):
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.syspath_prepend(tests)  # the tiny config's domain module (toy:ParityDomain)
+    monkeypatch.setenv("PYTHONPATH", tests + ":" + os.environ.get("PYTHONPATH", ""))
+    run_dir = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "gain"}), out=tmp_path / "gain")
+    rows = read_metrics(run_dir)
+    gains = [r for r in rows if r.get("event") == "phase_gain"]
+    assert [g["phase"] for g in gains[:2]] == ["weight", "harness"]  # each side once first
+    assert all(g["rollouts"] > 0 and "per_rollout" in g for g in gains)
+    assert sum(r.get("event") == "weight_step" for r in rows) == 4  # the budget: 1 epoch of 4 steps
+    report = write_report(run_dir).read_text()
+    assert "Which phase bought how much" in report and "| val | W1 |" in report

@@ -173,8 +173,9 @@ class Experiment:
         last = self.state.setdefault("last_eval_pairs", {})
         for split in splits:
             unit = f"eval-{tag}-{split}"
-            if unit in self.state["evals_done"] or (tag == "final" and last.get(split) == pair):
-                continue  # done, or this (harness, weights) pair was the last one measured on the split
+            if unit in self.state["evals_done"] or (tag != "initial" and last.get(split) == pair):
+                continue  # done, or the split's last evaluation measured this very (harness, weights) pair
+                # with the same seeds (a phase that changed nothing): it would only repeat that result
             self.unit = unit
             problems = self.splits[split][: self.cfg.eval.limit or None]
             hid, version = self.state["harness_id"], self.state["weights_version"]
