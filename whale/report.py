@@ -163,35 +163,35 @@ def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
     return out
 
 
-def _attribution_plot(parts: dict[str, list[dict]], path: Path, title: str) -> bool:
-    if not any(parts.values()):
+def _attribution_plot(parts: dict[str, list[dict]], totals: dict[str, tuple], path: Path, title: str) -> bool:
+    """Bars: the gain of each phase on the split evaluated most often, then start -> end per split."""
+    if not parts:
         return False
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / max(1, len(parts))
-    labels = list(dict.fromkeys(p["phases"] for rows in parts.values() for p in rows))
-    for j, (split, rows) in enumerate(parts.items()):
-        xs = [labels.index(p["phases"]) + (j - (len(parts) - 1) / 2) * width for p in rows]
-        gains = [p["gain"] for p in rows]
-        err = [[g - p["ci95"][0] for g, p in zip(gains, rows)], [p["ci95"][1] - g for g, p in zip(gains, rows)]]
-        colors = [PHASE_COLORS_STRONG.get(p["phases"][0], "#999999") for p in rows]
-        ax.bar(xs, gains, width, yerr=err, capsize=3, color=colors, edgecolor="black", alpha=1.0 if j == 0 else 0.55,
-               label=f"{split} (paired 95% CI)")
+    split = max(parts, key=lambda k: len(parts[k]))
+    bars = [(p["phases"], p["gain"], p["ci95"], PHASE_COLORS_STRONG.get(p["phases"][0], "#999999")
+             if "+" not in p["phases"] else "#bbbbbb") for p in parts[split]]
+    bars += [(f"total ({k})", g, [lo, hi], "#666666") for k, (g, lo, hi) in totals.items()]
+    fig, ax = plt.subplots(figsize=(1.2 * len(bars) + 2.5, 3.6))
+    xs = range(len(bars))
+    gains = [b[1] for b in bars]
+    err = [[g - b[2][0] for g, b in zip(gains, bars)], [b[2][1] - g for g, b in zip(gains, bars)]]
+    ax.bar(xs, gains, 0.6, yerr=err, capsize=3, color=[b[3] for b in bars], edgecolor="black")
     ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("gain in mean@k")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel(f"gain in mean@k (phases: {split})")
+    ax.set_title(title + " (paired 95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
-def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], dict[str, list[dict]]]:
+def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], dict[str, list[dict]], dict[str, tuple]]:
     parts = {split: phase_attribution(rows, split) for split in splits}
     parts = {k: v for k, v in parts.items() if v}
+    totals: dict[str, tuple] = {}
     if not parts:
-        return [], parts
+        return [], parts, totals
     lines = ["## Which phase bought how much", "",
              "Change in mean@k between consecutive evaluations, labelled by the phases run in between "
              "(W = weight phase, H = harness phase, numbered in order); paired bootstrap 95% intervals over "
@@ -205,12 +205,12 @@ def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], 
     for split in parts:
         evals = [r for r in rows if r.get("event") == "eval" and r.get("split") == split and r.get("per_problem")]
         if len(evals) >= 2:
-            point, lo, hi = paired_bootstrap([evals[-1]["per_problem"]], [evals[0]["per_problem"]])
+            point, lo, hi = totals[split] = paired_bootstrap([evals[-1]["per_problem"]], [evals[0]["per_problem"]])
             lines += ["", f"**{split}, start → end: {evals[0]['mean_at_k']:.3f} → {evals[-1]['mean_at_k']:.3f}, "
                       f"gain {point:+.3f}, paired 95% CI [{lo:+.3f}, {hi:+.3f}]** "
                       f"({evals[-1].get('n')} problems × k={evals[-1].get('k')})."]
     lines += ["", "![gain by phase](phase_gains.png)", ""]
-    return lines, parts
+    return lines, parts, totals
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -234,8 +234,9 @@ def write_report(run_dir: str | Path) -> Path:
              f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
              f"grader: **{cfg.get('domain', {}).get('grader')}**",
              f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s", "",
-             "## Test mean@k", "", "| final | best (paper's, selected on test) | val-selected (honest) |",
-             "|---|---|---|", f"| {_fmt(s['final'])} | {_fmt(s['best'])} | {_fmt(s['val_selected'])} |", "",
+             "## Test mean@k", "", "| initial | final | best (paper's, selected on test) | val-selected (honest) |",
+             "|---|---|---|---|", f"| {_fmt(s['initial'])} | {_fmt(s['final'])} | {_fmt(s['best'])} | "
+             f"{_fmt(s['val_selected'])} |", "",
              "## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
     for purpose, n in sorted(led.get("rollouts", {}).items()):
         lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
@@ -243,8 +244,8 @@ def write_report(run_dir: str | Path) -> Path:
               f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
               f"proposer time {led.get('proposer_seconds', 0)} s.", "",
               "![accuracy vs rollouts](accuracy_vs_rollouts.png)", "", "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
-    attribution, parts = _attribution_lines(rows, ["test", "val"])
-    if attribution and _attribution_plot(parts, out / "phase_gains.png", f"{name}: gain by phase"):
+    attribution, parts, totals = _attribution_lines(rows, ["test", "val"])
+    if attribution and _attribution_plot(parts, totals, out / "phase_gains.png", f"{name}: gain by phase"):
         lines += attribution
     evals = [r for r in rows if r.get("event") == "eval"]
     if evals:

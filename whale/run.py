@@ -395,7 +395,8 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
         out["best"] = max(r["mean_at_k"] for r in test)
     if val and test:
         best_val = max(val, key=lambda r: r["mean_at_k"])
-        same = [r for r in test if r.get("tag") == best_val.get("tag")]
+        pair = (best_val.get("harness"), best_val.get("weights_version"))  # test may be measured at other tags
+        same = [r for r in test if r.get("tag") == best_val.get("tag") or (r.get("harness"), r.get("weights_version")) == pair]
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
     state_path = Path(run_dir) / "state.json"
