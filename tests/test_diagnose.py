@@ -111,3 +111,16 @@ def test_brief_carries_the_same_diagnosis(tmp_path):
     text = diagnose([row(Q, "your query", [("Paris: x", "Paris")])], "searchqa").text()
     brief = make_brief(SearchQA(), Config(), 2, weights_version="v0", incoming_id="h0", diagnoses={"h0": text})
     assert "What the traces show" in brief and text in brief
+
+
+def test_a_mechanism_evaluated_under_old_weights_is_proposed_again_under_new_ones(tmp_path):
+    archive = archive_with(tmp_path, [row(Q, "your query", [("Paris: x", "Paris")])] * 8)
+    ctx = ProposalContext(iteration=2, weights_version="v0", incoming_id="h0")
+    first = M.MutationProposer(seed=0).propose(archive, SearchQA(), 1, tmp_path / "ws", ctx)
+    cid = archive.add_candidate(first[0].source, "h0", "mutation", first[0].hypothesis, first[0].mechanism)
+    archive.record_scores(cid, "v0", [])  # evaluated (and useless) under v0
+    again = M.MutationProposer(seed=0).propose(archive, SearchQA(), 1, tmp_path / "ws", ctx)
+    assert again[0].source != first[0].source  # same weights: not repeated
+    new_weights = ProposalContext(iteration=2, weights_version="v1", incoming_id="h0")
+    redo = M.MutationProposer(seed=0).propose(archive, SearchQA(), 2, tmp_path / "ws", new_weights)
+    assert first[0].source in [p.source for p in redo]  # new weights: the best-diagnosed fixes are worth another try

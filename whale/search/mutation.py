@@ -399,8 +399,11 @@ class MutationProposer:
         rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
         muts = mutations_for(domain.name, context.prompt_only)
         ranked = archive.ranking(version) or [context.incoming_id]
-        known = {archive.meta(cid)["code_hash"] for cid in archive.ids()}
-        tried = {archive.meta(cid).get("mechanism") for cid in archive.ids()}
+        # Code evaluated only under earlier weights may be proposed again: harness and weights are
+        # coupled, so a fix that did not pay under the old weights can pay under the new ones.
+        known = {m["code_hash"] for m in archive.all_meta()
+                 if m["status"] in ("pending", "invalid") or archive.scores(m["id"], version) is not None}
+        tried = {m.get("mechanism") for m in archive.all_meta() if archive.scores(m["id"], version) is not None}
         diagnoses: dict[str, Diagnosis] = {}
         out: list[Proposal] = []
         for _ in range(4 * max(1, n)):
