@@ -190,6 +190,23 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
     console.print(Path(path).read_text())
 
 
+@app.command("matrix")
+def matrix_cmd(
+    run_dir: str,
+    split: str = typer.Option("test", help="val | test (any split of the run's domain)"),
+    k: Optional[int] = typer.Option(None, help="samples per problem (default: the run's eval.k)"),
+    with_: list[str] = typer.Option([], "--with", help="another run whose harnesses and weights join the matrix"),
+):
+    """Every accepted harness of a run under every weights version it kept: RUN_DIR/matrix/matrix.md + .png."""
+    from whale.matrix import build_matrix
+
+    try:
+        path = build_matrix(run_dir, split=split, k=k, others=with_)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(Path(path).read_text())
+
+
 @harness_app.command("validate")
 def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa | math | chess"),
                      config: Optional[str] = typer.Option(None), set_: list[str] = typer.Option([], "--set"),

@@ -261,6 +261,8 @@ class Experiment:
                 nxt = self.schedule.after_weight_phase(self.progress)
                 if nxt == "weight_more":
                     continue
+                if st["weights_version"] != "base" and st["weights_version"] not in st.setdefault("phase_end_weights", []):
+                    st["phase_end_weights"].append(st["weights_version"])  # kept for `whale matrix`
                 if self.cfg.eval.at_phase_ends:
                     self.maybe_evaluate(f"w{self.progress.weight_steps}")
                 st["phase"] = nxt
@@ -290,8 +292,9 @@ class Experiment:
         self.prune_weights()
 
     def prune_weights(self) -> None:
-        """Keep only the versions the run still needs: current, best on val, the last few."""
-        keep = {self.state["weights_version"]}
+        """Keep only the versions the run still needs: current, best on val, each weight phase's
+        end (the columns of `whale matrix`), the last few."""
+        keep = {self.state["weights_version"], *self.state.get("phase_end_weights", [])}
         if self.state.get("val_best"):
             keep.add(self.state["val_best"]["weights_version"])
         on_disk = self.state["weights_on_disk"]
