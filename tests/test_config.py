@@ -59,3 +59,22 @@ def test_shipped_configs_validate(name):
 
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     load_config(path)
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["model.base_url=http://127.0.0.1:8000/v1"], "model.base_url"),  # the hf backend serves in-process
+    (["model.backend=openai", "model.base_url=http://x/v1", "model.vllm_args=[--enforce-eager]"], "model.vllm_args"),
+    (["model.api_key_env=MY_KEY"], "model.api_key_env"),
+    (["compute.ray_address=ray://head:10001"], "compute.ray_address"),
+    (["weight.finetune=full", "weight.lora.r=64"], "weight.lora"),
+])
+def test_settings_the_mode_ignores_are_errors(sets, key):
+    with pytest.raises(ConfigError, match=f"'{key}' is read only with"):
+        load_config(None, sets)
+
+
+def test_settings_read_in_their_mode_are_accepted():
+    cfg = load_config(None, ["model.backend=vllm", "model.base_url=http://x/v1", "model.vllm_args=[--enforce-eager]",
+                             "compute.executor=ray", "compute.ray_address=auto", "weight.lora.r=8"])
+    assert cfg.model.vllm_args == ["--enforce-eager"] and cfg.compute.ray_address == "auto"
+    assert load_config(None, ["model.backend=openai", "model.base_url=http://x/v1", "model.api_key_env=K"])
