@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import pytest
 
 from whale.config import ConfigError, Config, apply_override, dump_config, load_config
+from whale.domains import load_domain
 
 
 def test_defaults_validate():
@@ -55,10 +58,8 @@ def test_dump_roundtrip(tmp_path):
 @pytest.mark.parametrize("name", ["demo", "searchqa_cpu", "math_cpu", "chess_cpu", "searchqa_qwen3.5-2b",
                                   "math_qwen3.5-2b", "chess_qwen3.5-4b"])
 def test_shipped_configs_validate(name):
-    from pathlib import Path
-
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
-    load_config(path)
+    load_domain(load_config(path))  # the domain reads every setting the config gives (no data loaded yet)
 
 
 @pytest.mark.parametrize("sets, key", [
