@@ -160,6 +160,6 @@ def test_run_can_start_from_a_user_harness(tiny_model_dir, tmp_path):
     meta = json.loads((run_dir / "harnesses" / "h1" / "meta.json").read_text())
     assert meta["parent"] == "h0" and meta["proposer"] == "user"
     bad = tmp_path / "bad.py"
-    bad.write_text("import socket\ndef run(env, llm):\n    pass\n")
+    bad.write_text("import numpy\ndef run(env, llm):\n    pass\n")  # not an allowed import
     with pytest.raises(ConfigError, match="harness.initial"):
         run_experiment(tiny_config(tiny_model_dir, **{"harness.initial": str(bad)}), out=tmp_path / "b")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import pytest
 
-from whale.config import Config, ConfigError
+from whale.config import Config, ConfigError, load_config
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Generation, GenerationRequest, SamplingParams
 from whale.engine.null import NullEngine
@@ -257,8 +257,6 @@ def test_code_hash_ignores_comments_layout_and_docstrings():
     ("def run(env, llm):\n    return (\n", "syntax error"),
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef go(env, llm):\n    pass\n', "no top-level function run"),
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef run(env):\n    pass\n', "two positional parameters"),
-    ('USER_PROMPT = ""\ndef run(env, llm):\n    pass\n', "SYSTEM_PROMPT"),
-    ('SYSTEM_PROMPT = "a".upper()\nUSER_PROMPT = ""\ndef run(env, llm):\n    pass\n', "string literal"),
     ('import numpy\n' + TOY_H0, "imports 'numpy'"),
     ('from whale.search import archive\n' + TOY_H0, "imports 'whale'"),
     ('from . import x\n' + TOY_H0, "relative import"),
@@ -277,6 +275,19 @@ def test_static_check_accepts_contract_and_allowlisted_package():
     assert static_check("import json, re\nimport collections.abc\n" + TOY_H0, cfg) is None
     cfg.runner.sandbox.extra_packages = ["numpy"]
     assert static_check("import numpy as np\n" + TOY_H0, cfg) is None
+
+
+def test_prompt_constants_are_required_only_by_prompt_only_search():
+    bare = "def run(env, llm):\n    env.submit(str(llm([{'role': 'user', 'content': env.question}])))\n"
+    assert static_check(bare, Config()) is None  # DESIGN §4: run(env, llm) is the whole contract
+    for source, reason in [('USER_PROMPT = ""\n' + bare, "SYSTEM_PROMPT"),
+                           ('SYSTEM_PROMPT = "a".upper()\nUSER_PROMPT = ""\n' + bare, "string literal")]:
+        assert static_check(source, Config()) is None
+        got = static_check(source, Config(), base_source=TOY_H0, prompt_only=True)
+        assert got is not None and reason in got and "prompt-only" in got
+        for key, value in (("harness.prompt_only", "true"), ("schedule.kind", "prompt_only")):
+            got = static_check(source, load_config(None, [f"{key}={value}"]))  # e.g. harness.initial of such a run
+            assert got is not None and reason in got
 
 
 def test_prompt_only_mode_allows_only_prompt_changes():

@@ -240,9 +240,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+    refuse_ignored_settings(cfg)
+    return cfg
+
+
+def refuse_ignored_settings(cfg: Config) -> None:
+    """A setting the chosen mode never reads is an error naming it, not a silent no-op.
+
+    Cross-section checks only; each domain checks its own keys (whale.domains.base.Setting).
+    """
+    m, default = cfg.model, ModelConfig()
+    ignored = [
+        ("model.base_url", m.base_url is not None and m.backend in ("hf", "null"), "model.backend vllm or openai"),
+        ("model.vllm_args", bool(m.vllm_args) and m.backend != "vllm", "model.backend vllm"),
+        ("model.api_key_env", m.api_key_env != default.api_key_env and m.backend != "openai", "model.backend openai"),
+        ("compute.ray_address", cfg.compute.ray_address is not None and cfg.compute.executor != "ray",
+         "compute.executor ray"),
+        ("weight.lora", cfg.weight.lora != LoraConfig() and cfg.weight.finetune != "lora", "weight.finetune lora"),
+    ]
+    for key, unread, mode in ignored:
+        if unread:
+            raise ConfigError(f"config key '{key}' is read only with {mode}; remove it or change the mode")
 
 
 def dump_config(cfg: Config) -> str:

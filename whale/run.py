@@ -23,7 +23,7 @@ from rich.console import Console
 from whale.config import Config, ConfigError
 from whale.domains import load_domain
 from whale.engine import make_engine
-from whale.evaluate import evaluate
+from whale.evaluate import eval_seed, evaluate
 from whale.executor import make_executor
 from whale.harness.runner import derive_seed
 from whale.schedule import Progress, Schedule
@@ -176,7 +176,7 @@ class Experiment:
             problems = self.splits[split][: self.cfg.eval.limit or None]
             hid, version = self.state["harness_id"], self.state["weights_version"]
             result, trajs = evaluate(self.runner, self.harness_source(hid), problems, self.cfg.eval.k, split=split,
-                                     harness_id=hid, seed=derive_seed(self.cfg.seed, "eval", split),
+                                     harness_id=hid, seed=eval_seed(self.cfg.seed, split),
                                      progress=f"eval {split} ({hid}, {version})",
                                      traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
             self.ledger_add("eval", trajs)
