@@ -38,8 +38,8 @@ from whale.config import Config, ConfigError, config_from_dict  # noqa: E402
 from whale.domains import SPLITS, load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.engine.default_model import resolve_model_path  # noqa: E402
-from whale.evaluate import bootstrap_ci, evaluate  # noqa: E402
-from whale.harness.runner import RolloutRunner, derive_seed  # noqa: E402
+from whale.evaluate import bootstrap_ci, eval_seed, evaluate  # noqa: E402
+from whale.harness.runner import RolloutRunner  # noqa: E402
 from whale.search.archive import Archive  # noqa: E402
 from whale.store import atomic_write, fingerprint_problems, read_metrics  # noqa: E402
 
@@ -245,7 +245,7 @@ class Matrix:
                 first = False
                 for h in hs:
                     result, _ = evaluate(runner, self._harness_source(h), self.problems, self.k, split=self.split,
-                                         harness_id=h.harness_id, seed=derive_seed(self.cfg.seed, "eval", self.split),
+                                         harness_id=h.harness_id, seed=eval_seed(self.cfg.seed, self.split),
                                          progress=f"matrix {h.label} x {w.label}" if progress else None)
                     self._store(h, w, result.to_json(with_per_problem=True), reused=False)
         finally:
