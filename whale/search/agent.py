@@ -1,0 +1,187 @@
+"""The coding-agent proposer (the paper's): Claude Code, Codex or any command, run in a sandbox.
+
+`harness.agent` picks how the agent is started:
+- `claude_code`: `claude -p PROMPT --output-format stream-json --verbose --permission-mode M [--model X]`
+- `codex`: `codex exec --skip-git-repo-check --cd WORKSPACE --json --sandbox S [--model X] PROMPT`
+- `command`: `harness.agent_command`, a shell line with {workspace} and {brief} substituted.
+Under bubblewrap (`harness.agent_sandbox: bwrap`, the default) our sandbox is the boundary, so
+the presets switch the agent's own one off (Claude Code: bypassPermissions, declared with
+IS_SANDBOX=1 when we are root, as Claude Code demands; Codex: danger-full-access, since its own
+bubblewrap nests badly inside ours). Without it (`agent_sandbox: none`) they keep the agent's own
+guard on: Claude Code may only use file tools, with edits auto-accepted; Codex runs with
+workspace-write. docs/sandbox.md ("Proposer sandbox") states what each mode guarantees.
+
+The agent gets the workspace (workspace.py) as its working directory, a prompt that points it to
+BRIEF.md, a scrubbed environment and a timeout; its stdout and stderr go to
+harnesses/_proposals/<tag>/transcript.txt, and only `candidates/*.py` comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from whale.search.agent_sandbox import (Bind, agent_env, bwrap_argv, bwrap_problem, check_binds, executable_binds,
+                                        expand)
+from whale.search.proposal import Proposal
+from whale.search.workspace import build_workspace, collect_candidates, remove_tree
+
+AGENT_PROMPT = ("Read BRIEF.md in the current directory and follow it exactly: study the archive in archive/, "
+                "then write the candidate harness files into candidates/. Everything you need is in this "
+                "directory; do not run evaluations.")
+
+
+def claude_code_argv(workspace: Path, model: str | None, sandboxed: bool) -> list[str]:
+    argv = ["claude", "-p", AGENT_PROMPT, "--output-format", "stream-json", "--verbose"]
+    if sandboxed:
+        argv += ["--permission-mode", "bypassPermissions"]
+    else:
+        argv += ["--permission-mode", "acceptEdits", "--allowedTools", "Read,Glob,Grep,Write,Edit"]
+    return argv + (["--model", model] if model else [])
+
+
+def codex_argv(workspace: Path, model: str | None, sandboxed: bool) -> list[str]:
+    argv = ["codex", "exec", "--skip-git-repo-check", "--cd", str(workspace), "--json",
+            "--sandbox", "danger-full-access" if sandboxed else "workspace-write"]
+    return argv + (["--model", model] if model else []) + [AGENT_PROMPT]
+
+
+@dataclass(frozen=True)
+class AgentPreset:
+    executable: str
+    argv: Callable[[Path, str | None, bool], list[str]]
+    env_vars: tuple[str, ...]  # passed through when set in the parent
+    config_binds: tuple[tuple[str, bool], ...]  # (path, writable): the agent's own config and login
+
+
+PRESETS = {
+    "claude_code": AgentPreset("claude", claude_code_argv,
+                               ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL",
+                                "CLAUDE_CODE_OAUTH_TOKEN"),
+                               (("~/.claude", True), ("~/.claude.json", True))),
+    "codex": AgentPreset("codex", codex_argv, ("OPENAI_API_KEY", "CODEX_API_KEY", "OPENAI_BASE_URL"),
+                         (("~/.codex", True),)),
+}
+AGENTS = ("claude_code", "codex", "command")
+SANDBOXES = ("bwrap", "none")
+
+
+class AgentCLIProposer:
+    """Runs a coding agent in its workspace (see the module docstring) with a timeout.
+
+    `binds`: (path, writable) pairs for the agent's own files; None takes the preset's defaults
+    (bound when they exist). `env_vars`: variables passed besides PATH, HOME, LANG and the
+    preset's. A sandbox that cannot start is an error here, at construction, not hours later.
+    """
+
+    name = "agent_cli"
+
+    def __init__(self, command: str | None = None, timeout_s: float = 2400, env_vars: tuple[str, ...] = (), *,
+                 agent: str = "command", model: str | None = None, sandbox: str = "bwrap",
+                 binds: list[tuple[str, bool]] | None = None):
+        if agent not in AGENTS:
+            raise ValueError(f"harness.agent must be one of {', '.join(AGENTS)}, got {agent!r}")
+        if sandbox not in SANDBOXES:
+            raise ValueError(f"harness.agent_sandbox must be one of {', '.join(SANDBOXES)}, got {sandbox!r}")
+        if agent == "command" and not (command and command.strip()):
+            raise ValueError("harness.agent 'command' needs harness.agent_command "
+                             "(a shell command; {workspace} and {brief} are substituted)")
+        if agent != "command" and command:
+            raise ValueError(f"harness.agent_command is used only with harness.agent=command, not {agent!r}")
+        self.agent, self.command, self.model, self.sandbox = agent, command, model, sandbox
+        self.timeout_s = timeout_s
+        self.preset = PRESETS.get(agent)
+        self.env_vars = tuple(env_vars) + (self.preset.env_vars if self.preset else ())
+        if binds is None:
+            self.binds = [Bind(expand(p), w, required=False) for p, w in (self.preset.config_binds if self.preset else ())]
+        else:
+            self.binds = [Bind(expand(p), w) for p, w in binds]
+        self.home = os.environ.get("HOME")
+        self.last_error: str | None = None
+        self.last_usage: dict[str, float] = {}
+        if self.preset and shutil.which(self.preset.executable) is None:
+            raise RuntimeError(f"harness.agent '{agent}' needs the `{self.preset.executable}` CLI on PATH")
+        if sandbox == "bwrap":
+            problem = bwrap_problem()
+            if problem:
+                raise RuntimeError(f"harness.agent_sandbox is 'bwrap' but {problem}; install bubblewrap "
+                                   "(apt-get install bubblewrap) or set harness.agent_sandbox=none to run the agent "
+                                   "unsandboxed (docs/sandbox.md says what that gives up)")
+            self.binds += self._executable_binds()
+
+    def _executable_binds(self) -> list[Bind]:
+        """The agent's install folder, when it lives outside /usr (see executable_binds)."""
+        path = os.environ.get("PATH", "")
+        if self.preset:
+            return executable_binds(self.preset.executable, path)
+        words = shlex.split(self.command or "")
+        return executable_binds(words[0], path) if words else []
+
+    def argv(self, workspace: Path) -> list[str]:
+        """The agent's own command line (inside the sandbox when there is one)."""
+        if self.preset:
+            return self.preset.argv(workspace, self.model, self.sandbox == "bwrap")
+        cmd = (self.command.replace("{workspace}", shlex.quote(str(workspace)))
+               .replace("{brief}", shlex.quote(str(workspace / "BRIEF.md"))))
+        return ["/bin/sh", "-c", cmd]
+
+    def env(self) -> dict[str, str]:
+        env = agent_env(self.env_vars, self.home)
+        if self.agent == "claude_code" and self.sandbox == "bwrap" and os.getuid() == 0:
+            env["IS_SANDBOX"] = "1"  # true here; Claude Code refuses bypassPermissions as root without it
+        return env
+
+    def full_argv(self, workspace: Path, run_dir: Path) -> list[str]:
+        """What is executed: the agent's argv, wrapped in bwrap unless agent_sandbox is none."""
+        workspace = Path(workspace).absolute()
+        if self.sandbox == "none":
+            return self.argv(workspace)
+        check_binds(self.binds, run_dir)
+        return bwrap_argv(workspace, self.binds, self.home, self.argv(workspace))
+
+    def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
+        self.last_error, self.last_usage = None, {}
+        workspace = Path(workspace).absolute()
+        transcript = archive.proposals_dir(context.tag or f"it{context.iteration}") / "transcript.txt"
+        started = time.monotonic()
+        try:
+            build_workspace(archive, workspace, context.brief)
+            argv = self.full_argv(workspace, archive.run_dir)
+            status = self._run(argv, workspace, transcript)
+        except (OSError, ValueError) as e:
+            status = f"agent could not start: {e}"
+            with open(transcript, "a") as out:
+                out.write(f"[whale] {status}\n")
+        self.last_usage = {"seconds": round(time.monotonic() - started, 2)}
+        proposals, skipped = collect_candidates(workspace / "candidates", n, context.incoming_id)
+        remove_tree(workspace)
+        problems = [status] if status != "ok" else []
+        problems += [f"skipped {s}" for s in skipped]
+        if not proposals:
+            self.last_error = "; ".join(problems + ["wrote no candidates"]) if problems else "agent wrote no candidates"
+        elif problems:
+            self.last_error = "; ".join(problems)  # partial output is still used
+        return proposals
+
+    def _run(self, argv: list[str], workspace: Path, transcript: Path) -> str:
+        with open(transcript, "w") as out:
+            out.write(f"[whale] agent {self.agent}, sandbox {self.sandbox}\n$ {shlex.join(argv)}\n")
+            out.flush()
+            proc = subprocess.Popen(argv, cwd=workspace, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=self.timeout_s)
+                status = "ok" if rc == 0 else f"agent exited with code {rc}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session: bwrap (its PID namespace dies with it) or the shell
+                proc.wait()
+                status = f"agent timed out after {self.timeout_s:g} s"
+            out.write(f"\n[whale] {status}\n")
+        return status
