@@ -77,7 +77,8 @@ def run(base_dir):
     (run_dir / "evals" / "eval-c0-w0-test.jsonl").write_text('{"problem_id": "t0", "gold": "GOLD-ANSWER"}\n')
     (run_dir / "rows").mkdir()
     (run_dir / "rows" / "rows-000.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
-    return archive
+    yield archive
+    shutil.rmtree(proposer_workspace_root(None, run_dir), ignore_errors=True)
 
 
 def _context(tag="t1", brief="Write one candidate into candidates/."):
@@ -111,6 +112,8 @@ try_write {r}/harnesses/h0/notes.txt
 try_write archive/h0/harness.py
 try_write archive/evil.py
 try_write BRIEF.md
+if mount -o remount,bind,rw archive 2>/dev/null && (echo x > archive/h0/harness.py) 2>/dev/null; then
+  echo "LEAK remount archive"; else echo "BLOCKED remount archive"; fi
 try_read {pkg}/whale/__init__.py
 try_list /proc/{os.getpid()}/cwd/
 try_read "$HOME/.cache/secret.txt"
@@ -167,7 +170,8 @@ def test_sandboxed_agent_cannot_reach_the_run_and_its_candidate_comes_back(run, 
     props = proposer.propose(run, None, 3, proposer_workspace_root(None, run.run_dir) / "t1", _context())
     transcript = _transcript(run)
     assert re.findall(r"^LEAK.*", transcript, re.M) == []
-    assert len(re.findall(r"^BLOCKED", transcript, re.M)) >= 17 and "READ archive copy" in transcript
+    assert len(re.findall(r"^BLOCKED", transcript, re.M)) >= 18 and "READ archive copy" in transcript
+    assert "\nBLOCKED remount archive" in transcript
     assert _snapshot(run.root) == {**before, **{k: v for k, v in _snapshot(run.root).items() if k.startswith("_proposals")}}
     assert run.source("h0") == H0 and not (run.root / "evil.py").exists()
     assert len(props) == 1 and props[0].source == CANDIDATE and props[0].parent == "h0"
