@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -218,6 +217,10 @@ def test_missing_bubblewrap_is_a_clear_error_unless_the_config_opts_out(tmp_path
     with pytest.raises(RuntimeError, match="agent_sandbox is 'bwrap' but bubblewrap .* is not installed"):
         AgentCLIProposer("true")
     assert AgentCLIProposer("true", sandbox="none").sandbox == "none"
+    cfg = Config()
+    cfg.harness.proposer, cfg.harness.agent_command = "agent_cli", "true"
+    with pytest.raises(ConfigError, match="set harness.agent_sandbox=none"):
+        make_proposer(cfg)  # what `whale run` prints as a one-line error
     with pytest.raises(RuntimeError, match="needs the `claude` CLI on PATH"):
         AgentCLIProposer(agent="claude_code", sandbox="none")
 
@@ -232,6 +235,7 @@ def test_agent_binds_may_not_expose_the_run_or_the_source_tree(run):
 
 # ----------------------------------------------------------------------------- presets
 STAND_IN = """#!/bin/sh
+echo '{usage}'
 echo "ARGV $*"
 echo "ENV $(env | cut -d= -f1 | sort | tr '\\n' ' ')"
 echo "session" > "$HOME/{config}/session.txt" && echo "CONFIG writable"
@@ -241,6 +245,11 @@ cat > candidates/cand_1.py <<'WHALE_EOF'
 {candidate}WHALE_EOF
 """
 
+CLAUDE_RESULT = json.dumps({"type": "result", "subtype": "success", "total_cost_usd": 0.25, "num_turns": 3, "usage": {
+    "input_tokens": 100, "cache_creation_input_tokens": 20, "cache_read_input_tokens": 30, "output_tokens": 50}})
+CODEX_TURN = json.dumps({"type": "turn.completed", "usage": {"input_tokens": 150, "cached_input_tokens": 10,
+                                                               "output_tokens": 50}})
+
 
 @pytest.fixture
 def stand_ins(base_dir, run, monkeypatch):
@@ -248,9 +257,9 @@ def stand_ins(base_dir, run, monkeypatch):
     bin_dir, home = base_dir / "bin", base_dir / "home"
     bin_dir.mkdir()
     gold = shlex.quote(str(run.run_dir / "evals" / "eval-c0-w0-test.jsonl"))
-    for exe, config in (("claude", ".claude"), ("codex", ".codex")):
+    for exe, config, usage in (("claude", ".claude", CLAUDE_RESULT), ("codex", ".codex", CODEX_TURN)):
         (home / config).mkdir(parents=True)
-        (bin_dir / exe).write_text(STAND_IN.format(config=config, gold=gold, candidate=CANDIDATE))
+        (bin_dir / exe).write_text(STAND_IN.format(config=config, gold=gold, candidate=CANDIDATE, usage=usage))
         os.chmod(bin_dir / exe, 0o755)
     (home / ".cache").mkdir()
     (home / ".cache" / "secret.txt").write_text("hf token")
@@ -313,6 +322,8 @@ def test_stand_in_agent_cli_runs_in_the_sandbox(stand_ins, run, agent, config):
     env_line = re.search(r"^ENV (.*)$", transcript, re.M).group(1).split()
     assert "WHALE_TEST_SECRET" not in env_line and {"PATH", "HOME"} <= set(env_line)
     assert re.search(r"^ARGV .*" + re.escape(AGENT_PROMPT.split(":")[0]), transcript, re.M)
+    assert proposer.last_usage["tokens"] == 200 and proposer.last_usage["output_tokens"] == 50
+    assert proposer.last_usage.get("cost_usd") == (0.25 if agent == "claude_code" else None)
 
 
 def test_make_proposer_reads_the_agent_keys(stand_ins):

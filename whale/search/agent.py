@@ -18,6 +18,7 @@ harnesses/_proposals/<tag>/transcript.txt, and only `candidates/*.py` comes back
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -51,6 +52,36 @@ def codex_argv(workspace: Path, model: str | None, sandboxed: bool) -> list[str]
     argv = ["codex", "exec", "--skip-git-repo-check", "--cd", str(workspace), "--json",
             "--sandbox", "danger-full-access" if sandboxed else "workspace-write"]
     return argv + (["--model", model] if model else []) + [AGENT_PROMPT]
+
+
+def agent_usage(transcript: str) -> dict[str, float]:
+    """Tokens (and cost) an agent reported in its JSON event stream: Claude Code's final `result`
+    event, Codex's `turn.completed` events. Empty for anything else (a `command` agent)."""
+    tokens = {"input_tokens": 0, "output_tokens": 0}
+    found: dict[str, float] = {}
+    for line in transcript.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+            usage = event.get("usage") if isinstance(event, dict) else None
+            if not isinstance(usage, dict) or event.get("type") not in ("result", "turn.completed"):
+                continue
+            if event["type"] == "result":  # Claude Code: totals for the session
+                tokens["input_tokens"] = sum(int(usage.get(k) or 0) for k in (
+                    "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+                tokens["output_tokens"] = int(usage.get("output_tokens") or 0)
+                if event.get("total_cost_usd") is not None:
+                    found["cost_usd"] = float(event["total_cost_usd"])
+            else:  # Codex: one event per turn
+                tokens["input_tokens"] += int(usage.get("input_tokens") or 0)
+                tokens["output_tokens"] += int(usage.get("output_tokens") or 0)
+            found.update(tokens)
+        except (ValueError, TypeError):
+            continue
+    if found:
+        found["tokens"] = found["input_tokens"] + found["output_tokens"]
+    return found
 
 
 @dataclass(frozen=True)
@@ -121,7 +152,10 @@ class AgentCLIProposer:
         path = os.environ.get("PATH", "")
         if self.preset:
             return executable_binds(self.preset.executable, path)
-        words = shlex.split(self.command or "")
+        try:
+            words = shlex.split(self.command or "")
+        except ValueError:  # unbalanced quotes: the shell will say so when it runs
+            return []
         return executable_binds(words[0], path) if words else []
 
     def argv(self, workspace: Path) -> list[str]:
@@ -159,7 +193,8 @@ class AgentCLIProposer:
             status = f"agent could not start: {e}"
             with open(transcript, "a") as out:
                 out.write(f"[whale] {status}\n")
-        self.last_usage = {"seconds": round(time.monotonic() - started, 2)}
+        self.last_usage = {"seconds": round(time.monotonic() - started, 2),
+                           **agent_usage(transcript.read_text(errors="replace"))}
         proposals, skipped = collect_candidates(workspace / "candidates", n, context.incoming_id)
         remove_tree(workspace)
         problems = [status] if status != "ok" else []
