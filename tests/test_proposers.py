@@ -138,7 +138,7 @@ def test_workspace_lives_outside_the_run_directory(run, base_dir):
 
 
 # ----------------------------------------------------------------------------- hash pinning
-def test_archive_refuses_a_source_changed_after_it_was_archived(run, tmp_path):
+def test_archive_refuses_a_source_changed_after_it_was_archived(run):
     path = run.root / "h0" / "harness.py"
     assert run.source("h0") == H0 and run.meta("h0")["source_sha256"]
     os.chmod(path, 0o644)
@@ -147,8 +147,10 @@ def test_archive_refuses_a_source_changed_after_it_was_archived(run, tmp_path):
         run.source("h0")
     with pytest.raises(ArchiveIntegrityError, match="changed on disk"):
         Archive(run.run_dir).source("h0")  # the pin is on disk too, so a reload does not forgive it
-    with pytest.raises(ArchiveIntegrityError):
-        build_workspace(run, tmp_path / "ws", "brief")
+    ws = proposer_workspace_root(None, run.run_dir) / "t1"
+    with pytest.raises(ArchiveIntegrityError):  # the loop records it as a proposer failure
+        AgentCLIProposer("true", sandbox="none").propose(run, None, 1, ws, _context())
+    assert not ws.exists()  # no half-built copy of the archive is left behind
 
 
 def test_archive_keeps_crlf_sources_verifiable(run):

@@ -181,8 +181,14 @@ class AgentCLIProposer:
         return bwrap_argv(workspace, self.binds, self.home, self.argv(workspace))
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
-        self.last_error, self.last_usage = None, {}
         workspace = Path(workspace).absolute()
+        try:
+            return self._propose(archive, n, workspace, context)
+        finally:
+            remove_tree(workspace)  # the archive copy never outlives its round, whatever happened
+
+    def _propose(self, archive, n: int, workspace: Path, context) -> list[Proposal]:
+        self.last_error, self.last_usage = None, {}
         transcript = archive.proposals_dir(context.tag or f"it{context.iteration}") / "transcript.txt"
         started = time.monotonic()
         try:
@@ -196,7 +202,6 @@ class AgentCLIProposer:
         self.last_usage = {"seconds": round(time.monotonic() - started, 2),
                            **agent_usage(transcript.read_text(errors="replace"))}
         proposals, skipped = collect_candidates(workspace / "candidates", n, context.incoming_id)
-        remove_tree(workspace)
         problems = [status] if status != "ok" else []
         problems += [f"skipped {s}" for s in skipped]
         if not proposals:

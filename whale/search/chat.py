@@ -114,8 +114,14 @@ class ChatProposer:
         self.last_usage: dict[str, float] = {}
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
-        self.last_error, self.last_usage = None, {}
         workspace = Path(workspace)
+        try:
+            return self._session(archive, n, workspace, context)
+        finally:
+            remove_tree(workspace)  # the archive copy never outlives its round, whatever happened
+
+    def _session(self, archive, n: int, workspace: Path, context) -> list[Proposal]:
+        self.last_error, self.last_usage = None, {}
         root = build_workspace(archive, workspace, context.brief)
         tools = ChatTools(root, workspace / "candidates", n)
         messages: list[dict[str, Any]] = [
@@ -156,7 +162,6 @@ class ChatProposer:
                            "retries": self.transport.retried - retried}
         tag = context.tag or f"it{context.iteration}"
         (archive.proposals_dir(tag) / "transcript.txt").write_text("\n".join(log) + "\n")
-        remove_tree(workspace)
         if not tools.proposals and self.last_error is None:
             self.last_error = f"chat model wrote no candidates in {turns} turns"
         for p in tools.proposals:
