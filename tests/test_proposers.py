@@ -214,6 +214,15 @@ def _read(path: Path) -> bytes:
         return b""
 
 
+def test_bind_paths_are_checked_when_the_proposer_is_built(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        AgentCLIProposer("true", sandbox="none", binds=[(str(tmp_path / "missing"), "rw")])
+    with pytest.raises(ValueError, match="mode 'copy' is for files"):
+        AgentCLIProposer("true", sandbox="none", binds=[(str(tmp_path), "copy")])
+    with pytest.raises(ValueError, match="mode of .* must be one of ro, rw, copy"):
+        AgentCLIProposer("true", sandbox="none", binds=[(str(tmp_path), "rwx")])
+
+
 def test_missing_bubblewrap_is_a_clear_error_unless_the_config_opts_out(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap, no claude
     with pytest.raises(RuntimeError, match="agent_sandbox is 'bwrap' but bubblewrap .* is not installed"):
@@ -230,7 +239,7 @@ def test_missing_bubblewrap_is_a_clear_error_unless_the_config_opts_out(tmp_path
 @NEEDS_BWRAP
 def test_agent_binds_may_not_expose_the_run_or_the_source_tree(run):
     for path in (str(run.run_dir), str(run.run_dir.parent), str(PACKAGE_DIR / "whale")):
-        proposer = AgentCLIProposer("true", binds=[(path, False)])
+        proposer = AgentCLIProposer("true", binds=[(path, "ro")])
         assert proposer.propose(run, None, 1, proposer_workspace_root(None, run.run_dir) / "t1", _context()) == []
         assert "would expose" in proposer.last_error
 
@@ -241,6 +250,9 @@ echo '{usage}'
 echo "ARGV $*"
 echo "ENV $(env | cut -d= -f1 | sort | tr '\\n' ' ')"
 echo "session" > "$HOME/{config}/session.txt" && echo "CONFIG writable"
+if [ -f "$HOME/.claude.json" ]; then
+  echo '{{"rewritten": 1}}' > "$HOME/.claude.json.tmp" && mv "$HOME/.claude.json.tmp" "$HOME/.claude.json" && echo "COPY renamed"
+fi
 if cat "$HOME/.cache/secret.txt" >/dev/null 2>&1; then echo "LEAK cache"; else echo "BLOCKED cache"; fi
 if cat {gold} >/dev/null 2>&1; then echo "LEAK gold"; else echo "BLOCKED gold"; fi
 cat > candidates/cand_1.py <<'WHALE_EOF'
@@ -265,6 +277,7 @@ def stand_ins(base_dir, run, monkeypatch):
         os.chmod(bin_dir / exe, 0o755)
     (home / ".cache").mkdir()
     (home / ".cache" / "secret.txt").write_text("hf token")
+    (home / ".claude.json").write_text('{"user": 1}')
     for name in ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "CLAUDE_CODE_OAUTH_TOKEN", "CODEX_API_KEY",
                  "OPENAI_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -301,10 +314,12 @@ def test_sandboxed_preset_command_lines(stand_ins, run, tmp_path):
     assert full[0] == "bwrap" and full[full.index("--") + 1:] == claude.argv(ws)
     assert ("--cap-drop" in full) == (os.getuid() == 0) and ("--unshare-user" in full) == (os.getuid() != 0)
     assert "--unshare-net" not in full  # agents call their API
-    for path in (stand_ins / ".claude", stand_ins / ".claude.json"):
-        assert full[full.index(str(path)) - 1] == "--bind-try"
+    assert full[full.index(str(stand_ins / ".claude")) - 1] == "--bind-try"
+    assert str(stand_ins / ".claude.json") not in full  # a copy needs its descriptor (open_copies)
+    full = claude.full_argv(ws, run.run_dir, {stand_ins / ".claude.json": 9})
+    assert full[full.index(str(stand_ins / ".claude.json")) - 3:][:3] == ["0600", "--file", "9"]
     assert str(run.run_dir) not in full and "sk-ant-test" not in " ".join(full)
-    codex = AgentCLIProposer(agent="codex", binds=[(str(stand_ins / ".codex"), False)])
+    codex = AgentCLIProposer(agent="codex", binds=[(str(stand_ins / ".codex"), "ro")])
     assert "danger-full-access" in codex.argv(ws)
     full = codex.full_argv(ws, run.run_dir)
     assert full[full.index(str(stand_ins / ".codex")) - 1] == "--ro-bind"
@@ -321,6 +336,8 @@ def test_stand_in_agent_cli_runs_in_the_sandbox(stand_ins, run, agent, config):
     assert re.findall(r"^LEAK.*", transcript, re.M) == []
     assert "\nBLOCKED cache" in transcript and "\nBLOCKED gold" in transcript
     assert "CONFIG writable" in transcript and (stand_ins / config / "session.txt").read_text() == "session\n"
+    assert ("\nCOPY renamed" in transcript) == (agent == "claude_code")  # its atomic rewrite works on the copy
+    assert (stand_ins / ".claude.json").read_text() == '{"user": 1}'  # and leaves the host's file alone
     env_line = re.search(r"^ENV (.*)$", transcript, re.M).group(1).split()
     assert "WHALE_TEST_SECRET" not in env_line and {"PATH", "HOME"} <= set(env_line)
     assert re.search(r"^ARGV .*" + re.escape(AGENT_PROMPT.split(":")[0]), transcript, re.M)
@@ -332,8 +349,11 @@ def test_make_proposer_reads_the_agent_keys(stand_ins):
     cfg = Config()
     cfg.harness.proposer, cfg.harness.agent, cfg.harness.agent_sandbox = "agent_cli", "codex", "none"
     cfg.harness.agent_model = "gpt-5.4"
+    cfg.harness.agent_binds = [{"path": "~/.codex", "mode": "ro"}]
     agent = make_proposer(cfg)
     assert agent.agent == "codex" and "--model" in agent.argv(Path("/ws")) and "OPENAI_API_KEY" in agent.env_vars
+    assert [(b.path, b.mode) for b in agent.binds] == [(stand_ins / ".codex", "ro")]
+    cfg.harness.agent_binds = None
     cfg.harness.agent_command = "codex exec hi"
     with pytest.raises(ConfigError, match="agent_command is used only with harness.agent=command"):
         make_proposer(cfg)

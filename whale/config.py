@@ -123,7 +123,8 @@ class PatienceConfig(_Strict):
 
 class AgentBind(_Strict):
     path: str = Field(description="host path, seen at the same path inside the sandbox; ~ is the parent's HOME")
-    writable: bool = False
+    mode: Literal["ro", "rw", "copy"] = Field("ro", description="ro / rw: bound read-only or read-write; copy (files "
+                                              "only): a private writable copy per round, changes discarded")
 
 
 class HarnessSearchConfig(_Strict):
@@ -145,7 +146,7 @@ class HarnessSearchConfig(_Strict):
         "work); none: unsandboxed, see docs/sandbox.md")
     agent_binds: list[AgentBind] | None = Field(
         None, description="host paths the sandboxed agent sees (its config); None: the preset's "
-        "(claude_code: ~/.claude, ~/.claude.json; codex: ~/.codex; all read-write)")
+        "(claude_code: ~/.claude rw, ~/.claude.json copy; codex: ~/.codex rw)")
     workspace_root: str | None = Field(None, description="where proposer workspaces go (outside the run "
                                        "directory); default: a private folder in the system temp dir")
     chat_model: str | None = None

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from whale.search.agent_sandbox import (Bind, agent_env, bwrap_argv, bwrap_problem, check_binds, executable_binds,
-                                        expand)
+from whale.search.agent_sandbox import (Bind, agent_env, bwrap_argv, bwrap_problem, check_bind_paths, check_binds,
+                                        executable_binds, expand, open_copies)
 from whale.search.proposal import Proposal
 from whale.search.workspace import build_workspace, collect_candidates, remove_tree
 
@@ -89,16 +89,16 @@ class AgentPreset:
     executable: str
     argv: Callable[[Path, str | None, bool], list[str]]
     env_vars: tuple[str, ...]  # passed through when set in the parent
-    config_binds: tuple[tuple[str, bool], ...]  # (path, writable): the agent's own config and login
+    config_binds: tuple[tuple[str, str], ...]  # (path, mode): the agent's own config and login
 
 
 PRESETS = {
     "claude_code": AgentPreset("claude", claude_code_argv,
                                ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL",
                                 "CLAUDE_CODE_OAUTH_TOKEN"),
-                               (("~/.claude", True), ("~/.claude.json", True))),
+                               (("~/.claude", "rw"), ("~/.claude.json", "copy"))),
     "codex": AgentPreset("codex", codex_argv, ("OPENAI_API_KEY", "CODEX_API_KEY", "OPENAI_BASE_URL"),
-                         (("~/.codex", True),)),
+                         (("~/.codex", "rw"),)),
 }
 AGENTS = ("claude_code", "codex", "command")
 SANDBOXES = ("bwrap", "none")
@@ -107,8 +107,8 @@ SANDBOXES = ("bwrap", "none")
 class AgentCLIProposer:
     """Runs a coding agent in its workspace (see the module docstring) with a timeout.
 
-    `binds`: (path, writable) pairs for the agent's own files; None takes the preset's defaults
-    (bound when they exist). `env_vars`: variables passed besides PATH, HOME, LANG and the
+    `binds`: (path, mode) pairs for the agent's own files, mode ro / rw / copy; None takes the
+    preset's defaults (bound when they exist). `env_vars`: variables passed besides PATH, HOME, LANG and the
     preset's. A sandbox that cannot start is an error here, at construction, not hours later.
     """
 
@@ -116,7 +116,7 @@ class AgentCLIProposer:
 
     def __init__(self, command: str | None = None, timeout_s: float = 2400, env_vars: tuple[str, ...] = (), *,
                  agent: str = "command", model: str | None = None, sandbox: str = "bwrap",
-                 binds: list[tuple[str, bool]] | None = None):
+                 binds: list[tuple[str, str]] | None = None):
         if agent not in AGENTS:
             raise ValueError(f"harness.agent must be one of {', '.join(AGENTS)}, got {agent!r}")
         if sandbox not in SANDBOXES:
@@ -131,9 +131,10 @@ class AgentCLIProposer:
         self.preset = PRESETS.get(agent)
         self.env_vars = tuple(env_vars) + (self.preset.env_vars if self.preset else ())
         if binds is None:
-            self.binds = [Bind(expand(p), w, required=False) for p, w in (self.preset.config_binds if self.preset else ())]
+            self.binds = [Bind(expand(p), m, required=False) for p, m in (self.preset.config_binds if self.preset else ())]
         else:
-            self.binds = [Bind(expand(p), w) for p, w in binds]
+            self.binds = [Bind(expand(p), m) for p, m in binds]
+        check_bind_paths(self.binds)
         self.home = os.environ.get("HOME")
         self.last_error: str | None = None
         self.last_usage: dict[str, float] = {}
@@ -172,13 +173,13 @@ class AgentCLIProposer:
             env["IS_SANDBOX"] = "1"  # true here; Claude Code refuses bypassPermissions as root without it
         return env
 
-    def full_argv(self, workspace: Path, run_dir: Path) -> list[str]:
+    def full_argv(self, workspace: Path, run_dir: Path, copy_fds: dict[Path, int] | None = None) -> list[str]:
         """What is executed: the agent's argv, wrapped in bwrap unless agent_sandbox is none."""
         workspace = Path(workspace).absolute()
         if self.sandbox == "none":
             return self.argv(workspace)
         check_binds(self.binds, run_dir)
-        return bwrap_argv(workspace, self.binds, self.home, self.argv(workspace))
+        return bwrap_argv(workspace, self.binds, self.home, self.argv(workspace), copy_fds)
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
         workspace = Path(workspace).absolute()
@@ -193,8 +194,9 @@ class AgentCLIProposer:
         started = time.monotonic()
         try:
             build_workspace(archive, workspace, context.brief)
-            argv = self.full_argv(workspace, archive.run_dir)
-            status = self._run(argv, workspace, transcript)
+            with open_copies(self.binds if self.sandbox == "bwrap" else []) as fds:
+                argv = self.full_argv(workspace, archive.run_dir, fds)
+                status = self._run(argv, workspace, transcript, tuple(fds.values()))
         except (OSError, ValueError) as e:
             status = f"agent could not start: {e}"
             with open(transcript, "a") as out:
@@ -210,12 +212,12 @@ class AgentCLIProposer:
             self.last_error = "; ".join(problems)  # partial output is still used
         return proposals
 
-    def _run(self, argv: list[str], workspace: Path, transcript: Path) -> str:
+    def _run(self, argv: list[str], workspace: Path, transcript: Path, pass_fds: tuple[int, ...] = ()) -> str:
         with open(transcript, "w") as out:
             out.write(f"[whale] agent {self.agent}, sandbox {self.sandbox}\n$ {shlex.join(argv)}\n")
             out.flush()
             proc = subprocess.Popen(argv, cwd=workspace, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds)
             try:
                 rc = proc.wait(timeout=self.timeout_s)
                 status = "ok" if rc == 0 else f"agent exited with code {rc}"

@@ -8,7 +8,8 @@ see, not by asking. The mount namespace bwrap builds holds:
   allowlist of /etc entries (DNS, TLS certificates, users, time zone, loader), and the agent's own
   install folder when it lives outside /usr;
 - an empty tmpfs for $HOME, /tmp; fresh /proc (new PID namespace) and a minimal /dev;
-- the configured binds (the agent's config such as ~/.claude, read-only or read-write);
+- the configured binds (the agent's config such as ~/.claude: read-only, read-write, or for a
+  file a private copy);
 - the workspace read-write, with its archive/ and BRIEF.md mounted read-only on top.
 Nothing else exists inside: not the run directory, the project tree, other runs, datasets, the HF
 cache or ~/.cache. The network namespace is the host's (agents call their API). As root, bwrap
@@ -24,9 +25,10 @@ import glob
 import os
 import shutil
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import whale
 
@@ -39,15 +41,18 @@ HIDDEN_PYTHON_GLOBS = ("/usr/lib/python3/dist-packages", "/usr/lib/python3*/site
                        "/usr/lib/python3*/dist-packages", "/usr/local/lib/python3*/site-packages",
                        "/usr/local/lib/python3*/dist-packages")
 PACKAGE_DIR = Path(whale.__file__).resolve().parent.parent  # the product's own tree
+BIND_MODES = ("ro", "rw", "copy")
 
 
 @dataclass(frozen=True)
 class Bind:
-    """A host path the agent sees at the same path. `required`: a missing path is an error
-    (configured binds) rather than skipped (a preset's defaults, e.g. ~/.claude.json)."""
+    """A host path the agent sees at the same path: `mode` ro / rw (a bind mount) or copy (a
+    file copied into the sandbox, writable, changes discarded: a file bind mount would make the
+    agent's own atomic rewrite of it fail with EBUSY, as Claude Code's of ~/.claude.json does).
+    `required`: a missing path is an error (configured binds) rather than skipped (a preset's)."""
 
     path: Path
-    writable: bool = False
+    mode: str = "ro"
     required: bool = True
 
 
@@ -55,11 +60,20 @@ def expand(path: str) -> Path:
     return Path(os.path.expanduser(path)).absolute()
 
 
+def check_bind_paths(binds: Iterable[Bind]) -> None:
+    """A configured bind must exist, and a copy must be a file."""
+    for b in binds:
+        if b.mode not in BIND_MODES:
+            raise ValueError(f"harness.agent_binds: mode of {b.path} must be one of {', '.join(BIND_MODES)}, got {b.mode!r}")
+        if b.required and not os.path.lexists(b.path):
+            raise ValueError(f"harness.agent_binds: {b.path} does not exist")
+        if b.mode == "copy" and os.path.exists(b.path) and not os.path.isfile(b.path):
+            raise ValueError(f"harness.agent_binds: {b.path} is not a file; mode 'copy' is for files")
+
+
 def check_binds(binds: Iterable[Bind], run_dir: Path) -> None:
     """Refuse a bind that would put the run directory or the product's tree inside the sandbox."""
     for b in binds:
-        if b.required and not os.path.lexists(b.path):
-            raise ValueError(f"harness.agent_binds: {b.path} does not exist")
         p = b.path.resolve()
         for secret, what in ((Path(run_dir).resolve(), "the run directory"), (PACKAGE_DIR, "the whale source tree")):
             if p == secret or p in secret.parents or secret in p.parents:
@@ -83,7 +97,7 @@ def executable_binds(name: str, search_path: str) -> list[Bind]:
         if (parent / "package.json").is_file():
             target = parent
             break
-    return [Bind(p, writable=False) for p in dict.fromkeys((Path(found).parent, target))
+    return [Bind(p, "ro") for p in dict.fromkeys((Path(found).parent, target))
             if not str(p).startswith("/usr/")]
 
 
@@ -113,11 +127,31 @@ def _prefix(home: str | None) -> list[str]:
     return cmd
 
 
-def bwrap_argv(workspace: Path, binds: Sequence[Bind], home: str | None, command: Sequence[str]) -> list[str]:
-    """The full bwrap command line that runs `command` in `workspace` (see the module docstring)."""
+@contextmanager
+def open_copies(binds: Sequence[Bind]) -> Iterator[dict[Path, int]]:
+    """File descriptors of the existing `copy` binds, for bwrap's --file (closed afterwards)."""
+    fds: dict[Path, int] = {}
+    try:
+        for b in binds:
+            if b.mode == "copy" and os.path.isfile(b.path):
+                fds[b.path] = os.open(b.path, os.O_RDONLY)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def bwrap_argv(workspace: Path, binds: Sequence[Bind], home: str | None, command: Sequence[str],
+               copy_fds: dict[Path, int] | None = None) -> list[str]:
+    """The full bwrap command line that runs `command` in `workspace` (see the module docstring).
+    A `copy` bind appears only with its descriptor in `copy_fds` (open_copies)."""
     cmd = _prefix(home)
     for b in binds:
-        flag = ("--bind" if b.writable else "--ro-bind") + ("" if b.required else "-try")
+        if b.mode == "copy":
+            if b.path in (copy_fds or {}):
+                cmd += ["--perms", "0600", "--file", str(copy_fds[b.path]), str(b.path)]
+            continue
+        flag = ("--bind" if b.mode == "rw" else "--ro-bind") + ("" if b.required else "-try")
         cmd += [flag, str(b.path), str(b.path)]
     ws = str(Path(workspace).absolute())
     cmd += ["--bind", ws, ws, "--ro-bind", f"{ws}/archive", f"{ws}/archive",

@@ -29,7 +29,7 @@ def make_proposer(cfg: Config) -> Proposer:
         try:
             return AgentCLIProposer(h.agent_command, h.agent_timeout_s, tuple(h.agent_env), agent=h.agent,
                                     model=h.agent_model, sandbox=h.agent_sandbox,
-                                    binds=None if h.agent_binds is None else [(b.path, b.writable) for b in h.agent_binds])
+                                    binds=None if h.agent_binds is None else [(b.path, b.mode) for b in h.agent_binds])
         except (ValueError, RuntimeError) as e:  # a bad key, or a sandbox or CLI this machine lacks
             raise ConfigError(str(e)) from None
     if not (h.chat_model and h.chat_base_url):
