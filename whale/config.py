@@ -121,6 +121,12 @@ class PatienceConfig(_Strict):
     patience: int = 3
 
 
+class AgentBind(_Strict):
+    path: str = Field(description="host path, seen at the same path inside the sandbox; ~ is the parent's HOME")
+    mode: Literal["ro", "rw", "copy"] = Field("ro", description="ro / rw: bound read-only or read-write; copy (files "
+                                              "only): a private writable copy per round, changes discarded")
+
+
 class HarnessSearchConfig(_Strict):
     initial: str | None = Field(None, description="harness file to start from instead of the domain's h0 "
                                 "(archived as a child of h0)")
@@ -128,14 +134,29 @@ class HarnessSearchConfig(_Strict):
     candidates_per_iteration: int = Field(3, description="M")
     samples_per_example: int = 1
     prompt_only: bool = False
-    agent_command: str | None = Field(None, description="agent_cli: shell command; {brief} {workspace} substituted")
+    agent: Literal["claude_code", "codex", "command"] = Field(
+        "command", description="agent_cli: a preset invocation (claude_code, codex) or agent_command")
+    agent_command: str | None = Field(None, description="agent 'command': shell command; {brief} {workspace} substituted")
+    agent_model: str | None = Field(None, description="claude_code/codex: --model (the CLI's default if empty)")
     agent_timeout_s: float = 2400
     agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
-                                 "(e.g. its API key); all others are scrubbed except PATH and HOME")
+                                 "besides the preset's; all others are scrubbed except PATH, HOME, LANG")
+    agent_sandbox: Literal["bwrap", "none"] = Field(
+        "bwrap", description="bwrap: only the workspace is visible and writable (an error if bubblewrap does not "
+        "work); none: unsandboxed, see docs/sandbox.md")
+    agent_binds: list[AgentBind] | None = Field(
+        None, description="host paths the sandboxed agent sees (its config); None: the preset's "
+        "(claude_code: ~/.claude rw, ~/.claude.json copy; codex: ~/.codex rw)")
+    workspace_root: str | None = Field(None, description="where proposer workspaces go (outside the run "
+                                       "directory); default: a private folder in the system temp dir")
     chat_model: str | None = None
     chat_base_url: str | None = None
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
     chat_max_turns: int = 24
+    chat_retries: int = Field(4, ge=0, description="chat: retries of a call on a timeout, dropped connection, 429 or 5xx")
+    chat_backoff_s: float = Field(2.0, ge=0, description="chat: first retry wait, doubled each retry (max 60 s)")
+    chat_history_turns: int = Field(16, ge=1, description="chat: turns sent besides the system and task messages")
+    chat_history_tokens: int = Field(64_000, ge=1, description="chat: estimated tokens (4 chars each) of history sent")
     null_probe_items: int = 64
     null_probe_min_drop: float = Field(0.05, description="flag when score(real) - score(null) is below this")
     reject_flagged: bool = True

@@ -34,8 +34,9 @@ from whale.config import Config
 from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
 from whale.search.guard import null_probe
-from whale.search.proposers import ProposalContext
+from whale.search.proposal import ProposalContext
 from whale.search.validate import validate_candidate
+from whale.search.workspace import proposer_workspace_root
 
 
 @dataclass
@@ -60,7 +61,8 @@ class HarnessSearch:
         self.ledger_callback = ledger_callback
         self.null_runner = null_runner
         self._own_null_runner = False
-        self.workspace_root = Path(workspace_root) if workspace_root else archive.run_dir / "proposer"
+        self.workspace_root = Path(workspace_root) if workspace_root else \
+            proposer_workspace_root(cfg.harness.workspace_root, archive.run_dir)
         self.progress = progress
         self._problems: list | None = list(splits["harness"]) if splits is not None else None
         self._state: dict[str, Any] = {}
