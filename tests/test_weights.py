@@ -25,8 +25,9 @@ def load_tiny(path):
 
 
 def call(prompt, completion, finish="stop"):
+    """A recorded call the rows code trains (used=True: which calls are used is tests/test_usage.py's topic)."""
     return LLMCall(messages=[], completion="", finish_reason=finish, prompt_ids=list(prompt),
-                   completion_ids=list(completion))
+                   completion_ids=list(completion), used=True)
 
 
 def traj(calls, reward=1.0, pid="p0", sample=0):
