@@ -309,3 +309,21 @@ def test_chess_h0_through_the_runner_trains_every_call_of_a_solved_puzzle():
         # the untagged reply stays in the conversation that produced the mate: carried, so trained
         assert [c.used for c in t.calls] == [True, True], [c.use_reason for c in t.calls]
         assert t.calls[0].use_reason == "carried into the prompt of call 1"
+
+
+def test_searchqa_h0_through_the_runner_trains_both_calls_of_an_answered_question():
+    from test_searchqa import ReaderEngine
+    from whale.domains.searchqa import SearchQADomain
+
+    cfg = Config()
+    domain = SearchQADomain(cfg)
+    problems = [p for p in domain.load_splits()["test"] if p.source == "capital"][:3]
+    runner = RolloutRunner(ReaderEngine(), domain, cfg)
+    try:
+        trajs = runner.run(domain.base_harness(), problems)
+    finally:
+        runner.close()
+    solved = [t for t in trajs if t.reward == 1.0]
+    assert solved
+    for t in solved:
+        assert [c.used for c in t.calls] == [True, True], [c.use_reason for c in t.calls]
