@@ -23,6 +23,10 @@ on those would fine-tune the minority (wrong) answers of an accepted episode. So
 submitted), or by rule 2 when a later message is exactly the pick (after its prefill). A pick
 merely listed in a later prompt (all the legal moves) is not carried.
 
+Known edges (the harness can mark either way): a sibling that mentions the submitted string
+without concluding it is credited; a rejected reply the harness keeps in the conversation before
+its retry (chess h0 does) is carried, so trained.
+
 Text is compared with whitespace runs collapsed and case folded. Engines return text without the
 stop string that ended it, so a harness re-appending the stop (`said = text + "</search>"`) still
 contains it.
