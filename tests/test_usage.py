@@ -250,6 +250,11 @@ def test_tool_call_completions_are_carried_by_their_calls():
                   {"role": "tool", "content": "result"}]
     answer = llm_call(later_msgs, "done: 42")
     assert decided([asked, answer], [tool("submit", "42", after=2)], "42") == [True, True]
+    # whatever a harness put into a message's tool_calls, the decision does not raise
+    for junk in (5, "call_0", [None, {"function": 3}, {"function": {"name": "search", "arguments": "{"}}]):
+        asked.used = None
+        later_msgs[1]["tool_calls"] = junk
+        assert decided([asked, llm_call(later_msgs, "done: 42")], [tool("submit", "42", after=2)], "42") == [False, True]
 
 
 def test_record_mark_checks_what_it_is_given():

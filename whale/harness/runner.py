@@ -297,7 +297,10 @@ class RolloutRunner:
             env.close()
         traj.answer = env.final_answer()
         traj.seconds = round(traj.seconds, 3)
-        decide_usage(traj)
+        try:
+            decide_usage(traj)  # which calls may be trained (usage.py)
+        except Exception as exc:  # noqa: BLE001 - a bug there fails this episode, not the run
+            traj.error = traj.error or f"runner error: deciding which calls are used: {type(exc).__name__}: {exc}"
         if traj.error is None and traj.answer is not None:
             traj.reward = await self._grade(problem, traj)
         elif traj.error is None:

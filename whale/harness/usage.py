@@ -103,9 +103,10 @@ def _actions(traj: Trajectory) -> list[tuple[int, str, str]]:
     return out
 
 
-def _tool_signatures(tool_calls: list[dict[str, Any]] | None) -> set[tuple[str, str]]:
-    sigs = set()
-    for tc in tool_calls or []:
+def _tool_signatures(tool_calls: Any) -> set[tuple[str, str]]:
+    """(name, canonical arguments) of OpenAI-style tool calls; a harness may send anything here."""
+    sigs: set[tuple[str, str]] = set()
+    for tc in tool_calls if isinstance(tool_calls, list) else []:
         fn = tc.get("function") if isinstance(tc, dict) else None
         if not isinstance(fn, dict):
             continue
