@@ -38,6 +38,7 @@ from whale.engine.base import Engine, Generation, GenerationRequest, SamplingPar
 from whale.harness.progress import ProgressBar
 from whale.harness.sandbox import UIDS, SandboxHost
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
+from whale.harness.usage import decide_usage, record_mark
 
 ROLES = {"system", "user", "assistant", "tool"}
 MAX_FORGED = 50  # unparseable or off-schema messages tolerated before the episode is killed
@@ -296,6 +297,10 @@ class RolloutRunner:
             env.close()
         traj.answer = env.final_answer()
         traj.seconds = round(traj.seconds, 3)
+        try:
+            decide_usage(traj)  # which calls may be trained (usage.py)
+        except Exception as exc:  # noqa: BLE001 - a bug there fails this episode, not the run
+            traj.error = traj.error or f"runner error: deciding which calls are used: {type(exc).__name__}: {exc}"
         if traj.error is None and traj.answer is not None:
             traj.reward = await self._grade(problem, traj)
         elif traj.error is None:
@@ -440,13 +445,17 @@ class RolloutRunner:
                     batcher.busy_elsewhere -= 1
                     batcher.poke()
                 traj.tool_calls.append(ToolCall(name=name, args=args, kwargs=kwargs, result=_clip(result, text),
-                                                error=error, seconds=round(time.monotonic() - t1, 4)))
+                                                error=error, seconds=round(time.monotonic() - t1, 4),
+                                                after_calls=len(traj.calls)))
                 if error is not None:
                     await reply({"id": mid, "error": error, "fatal": False, "state": env.public_state()})
                     if getattr(env, "fatal_error", None):
                         return env.fatal_error
                 else:
                     await reply({"id": mid, "ok": result, "state": env.public_state()})
+            elif op == "mark":  # completion.use() / .discard(): whether a returned call is trained
+                refused = record_mark(traj, msg.get("call"), msg.get("used"), msg.get("text"))
+                await reply({"id": mid, "error": refused, "fatal": False} if refused else {"id": mid, "ok": True})
             else:
                 forged += 1
                 if forged > MAX_FORGED:
