@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
+from toy import ScriptedEngine  # noqa: E402
 from whale.config import ConfigError, load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.domains.math.data import allocate  # noqa: E402
@@ -70,11 +71,10 @@ def test_generator_config_reaches_the_tasks():
         assert len(re.findall(r"\d+", p.question)) == 2 and all(len(n) == 1 for n in re.findall(r"\d+", p.question))
 
 
-class _SumEngine:
+class _SumEngine(ScriptedEngine):
     """Answers chain_sum questions correctly inside <answer> tags; anything else with 0."""
 
     returns_ids = False
-    weights_version = "base"
 
     def generate(self, requests, sampling):
         out = []
@@ -85,14 +85,6 @@ class _SumEngine:
             out.append([Generation(text=text, finish_reason="stop") for _ in range(r.n)])
         return out
 
-    def count_tokens(self, messages):
-        return 0
-
-    def load_weights(self, path, version):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_h0_episodes_are_graded_in_the_pool_with_a_per_task_breakdown():
