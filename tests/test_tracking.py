@@ -184,6 +184,7 @@ def test_mlflow_run_has_the_scalars(tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in history] == [(8, 0.25), (16, 0.5)]
     artifacts = [a.path for a in client.list_artifacts(found[0].info.run_id)]
     assert "lineage.json" in artifacts
+    assert (run.path / "trackers" / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()
 
 
 def test_trackio_run_has_the_scalars(tmp_path, monkeypatch):

@@ -161,7 +161,11 @@ class MlflowTracker:
 
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # the SQLite store puts artifacts under ./mlruns of the working directory unless the
+            # experiment names a location: keep them in the run directory too
             mlflow.set_tracking_uri(f"sqlite:///{(folder / 'mlflow.db').resolve()}")
+            if mlflow.get_experiment_by_name(cfg.logging.project) is None:
+                mlflow.create_experiment(cfg.logging.project, (folder / "mlartifacts").resolve().as_uri())
         mlflow.set_experiment(cfg.logging.project)
         found = mlflow.search_runs(filter_string=f"tags.whale_run_id = '{run_id}'", output_format="list")
         self.run = mlflow.start_run(run_id=found[0].info.run_id if found else None, run_name=cfg.name,
