@@ -193,6 +193,15 @@ class ComputeConfig(_Strict):
     ray_address: str | None = None
 
 
+class LoggingConfig(_Strict):
+    """Experiment trackers fed from the metrics rows; metrics.jsonl stays the source of truth."""
+
+    trackers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=list, description="each an optional extra: pip install 'whale-opt[tensorboard]' ...")
+    project: str = Field("whale", description="wandb/trackio project, mlflow experiment")
+    dir: str | None = Field(None, description="tracker files (default: RUN_DIR/trackers)")
+
+
 class Config(_Strict):
     name: str = "run"
     seed: int = 0
@@ -205,6 +214,7 @@ class Config(_Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
 class ConfigError(ValueError):

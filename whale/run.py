@@ -45,11 +45,14 @@ def run_experiment(cfg: Config | None, out: str | Path | None = None, resume: st
         assert cfg is not None
         run = RunDir.create(out or Path("runs") / cfg.name, cfg)
         state = {}
-    exp = Experiment(cfg, run, state)
     try:
-        exp.run()
+        exp = Experiment(cfg, run, state)
+        try:
+            exp.run()
+        finally:
+            exp.close()
     finally:
-        exp.close()
+        run.close()  # the trackers
     return run.path
 
 

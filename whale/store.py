@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from whale.config import Config, ConfigError, config_from_dict, dump_config
+from whale.tracking import Trackers, check_trackers
 
 import yaml
 
@@ -91,6 +92,7 @@ class RunDir:
         self.ledger = Ledger()
         self.t0 = time.time()
         self.elapsed_before = 0.0
+        self.trackers = Trackers({})  # logging.trackers, opened by create/open
 
     # ---------------------------------------------------------------- creation / resume
     @classmethod
@@ -98,9 +100,11 @@ class RunDir:
         run = cls(path)
         if (run.path / "state.json").exists():
             raise ConfigError(f"{run.path} already holds a run; use `whale run --resume {run.path}` or another --out")
+        check_trackers(cfg.logging)
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write(run.path / "config.yaml", dump_config(cfg))
         atomic_write(run.path / "environment.json", json.dumps(environment_record(cfg), indent=1))
+        run.trackers = Trackers.open(cfg, run.path)
         return run
 
     @classmethod
@@ -113,6 +117,8 @@ class RunDir:
         state = run.load_state()
         run.ledger = Ledger.from_snapshot(state.get("ledger", {}))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
+        check_trackers(cfg.logging)
+        run.trackers = Trackers.open(cfg, run.path)
         lost = run.count_inflight()
         if lost:
             run.ledger.rollouts["redone"] += lost
@@ -150,6 +156,11 @@ class RunDir:
             f.write(json.dumps(row, default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.trackers.log(row)  # after the row is on disk: a tracker can fail, metrics.jsonl cannot
+
+    def close(self) -> None:
+        """Flush and close the trackers (the files of the run directory need no closing)."""
+        self.trackers.close()
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
