@@ -246,7 +246,7 @@ class VLLMEngine:
                 raise ServerDown(f"the vLLM server is down and was already recovered {self.restarts} times "
                                  f"(max_restarts); last: {self.last_restart_reason}")
             self.restarts += 1
-            code = None if self.server is None else self.server.exit_code()
+            code = None if self.server is None else self.server.exit_code(wait_s=2.0)
             self.last_restart_reason = (f"exited with code {code}" if code is not None else f"not healthy ({failure})")
             where = f"log {self.server.log_path}" if self.server else f"at {self.base_url}"
             print(f"whale: the vLLM server {self.last_restart_reason}; recovering it "

@@ -133,8 +133,14 @@ class VLLMServer:
         except HTTPFailure:
             return False
 
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+    def exit_code(self, wait_s: float = 0.0) -> int | None:
+        """The exit code of a server that is gone (waiting up to `wait_s` for it), else None."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=wait_s) if wait_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -39,12 +39,15 @@ def main() -> int:
     parent, cmd = int(sys.argv[1]), sys.argv[2:]
     server = subprocess.Popen(cmd)  # same process group: ours, the session leader's
     signal.signal(signal.SIGTERM, lambda *_: (end_group(), os._exit(143)))
-    while server.poll() is None:
+    while True:
+        try:
+            code = server.wait(timeout=1.0)  # exit right after the server does: WHALE sees its code at once
+            break
+        except subprocess.TimeoutExpired:
+            pass
         if os.getppid() != parent:  # WHALE's process is gone (SIGKILL, crash): take the server with us
             end_group()
             return 1
-        time.sleep(1.0)
-    code = server.returncode
     return 128 - code if code < 0 else code
 
 
