@@ -159,3 +159,15 @@ def test_qwen_configs_leave_gpu_memory_to_the_trainer(path):
     cfg = load_config(TESTS.parent / path)
     assert cfg.model.backend == "vllm" and cfg.model.gpu_memory_utilization is not None
     assert cfg.model.gpu_memory_utilization <= 0.5
+
+
+def test_trainer_refuses_to_run_under_torchrun(monkeypatch, tiny_model_dir):
+    from whale.weights.from_disk import training_model
+
+    cfg = load_config(None, ["model.backend=vllm", f"model.name={tiny_model_dir}"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="whale run is one process"):
+        training_model(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model, tokenizer = training_model(cfg)
+    assert model.device.type == "cpu" and tokenizer is not None

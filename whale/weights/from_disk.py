@@ -9,17 +9,22 @@ would use there; one process, one device (docs/vllm.md says what several GPUs do
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from whale.config import Config
+from whale.config import Config, ConfigError
 from whale.engine.default_model import resolve_model_path
 from whale.engine.hf import resolve_device, resolve_dtype
 
 
 def training_model(cfg: Config) -> tuple[Any, Any]:
     """(model, tokenizer) for the trainer of a run whose engine serves weights from disk."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("whale run is one process: under torchrun/accelerate every rank would run the whole "
+                          "experiment, start its own vLLM server and write the same run directory. Start it "
+                          "with plain `whale run`; spread rollouts with model.data_parallel_size (docs/vllm.md)")
     path = str(resolve_model_path(cfg.model.name))
     device = resolve_device(cfg.model.device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.model.dtype, device)).to(device)
