@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_vllm import read_log
+from fake_vllm import FakeVLLM, read_log
 
 from whale.config import ConfigError, load_config
 from whale.engine.base import GenerationRequest, SamplingParams
@@ -94,6 +94,22 @@ def test_cpu_kv_cache_is_sized_from_free_memory(tmp_path):
     assert 1 <= int(started(log)[0]["env"]["VLLM_CPU_KVCACHE_SPACE"]) <= 8
     assert started(log)[0]["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     eng.close()
+
+
+def test_cpu_builds_never_chunk_a_seeded_prefill():
+    """vllm-cpu kills its engine when it rewinds the generator of a chunked, seeded prefill."""
+    fake = FakeVLLM().serve_in_thread()
+    try:
+        eng = VLLMEngine("m", base_url=fake.url, max_model_len=16384)
+        assert not eng.cpu_build and "--no-enable-chunked-prefill" not in eng.server_args()
+        eng.cpu_build = True
+        args = " ".join(eng.server_args())
+        assert "--no-enable-chunked-prefill --max-num-batched-tokens 16384" in args
+        eng.extra_args = ["--max-num-batched-tokens", "2048", "--enable-chunked-prefill"]  # the user's choice wins
+        assert "--no-enable-chunked-prefill" not in eng.server_args()
+        eng.close()
+    finally:
+        fake.close()
 
 
 def test_dead_server_is_restarted_with_the_current_adapter(tmp_path):

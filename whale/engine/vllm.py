@@ -68,7 +68,7 @@ from whale.engine.base import Generation, GenerationRequest, SamplingParams, wei
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
-from whale.engine.vllm_server import LORA_RANKS, VLLMServer
+from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build
 
 # Sampling fields vLLM would otherwise fill from the model's generation_config.json: neutral values.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -148,6 +148,7 @@ class VLLMEngine:
         self._choice_ids: dict[str, list[int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="whale-vllm")
         self.server: VLLMServer | None = None
+        self.cpu_build = base_url is None and is_cpu_build(self.python)  # see vllm_server.py: seeds on CPU
         if base_url is None:
             env = {**({"VLLM_SERVER_DEV_MODE": "1"} if full_sync == "rpc" else {}), **(env or {})}
             self.server = VLLMServer(self.python, self.model, self.server_args(), env, log_path, startup_timeout_s)
@@ -169,6 +170,8 @@ class VLLMEngine:
             args += ["--max-model-len", str(self.max_model_len)]
         if "--generation-config" not in self.extra_args:
             args += ["--generation-config", "vllm"]
+        if self.cpu_build and not any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in self.extra_args):
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len or 0, 8192))]
         if self.data_parallel_size > 1:
             args += ["--data-parallel-size", str(self.data_parallel_size), "--api-server-count", "1"]
         if self.gpu_memory_utilization is not None:

