@@ -102,3 +102,23 @@ def test_resume_loads_the_current_adapter_into_the_new_server(tiny_model_dir, tm
     assert resumed[first_load]["body"]["lora_path"] == str((out / "weights" / version).resolve())
     assert "/v1/completions" not in paths[:first_load]  # restored before any rollout
     assert json.loads((out / "state.json").read_text())["phase"] == "done"
+
+
+def test_eval_with_weights_loads_the_adapter_into_the_server(tiny_model_dir, tmp_path):
+    log = tmp_path / "fake.jsonl"
+    folder = tmp_path / "w3"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    env_json = json.dumps({"PYTHONPATH": FAKE_PATH, "FAKE_VLLM_LOG": str(log)})
+    res = subprocess.run([sys.executable, "-m", "whale.cli", "eval", "--domain", "parity", "--model", str(tiny_model_dir),
+                          "--weights", str(folder), "--k", "1", "--limit", "2", "--json",
+                          "--set", "domain.module=toy:ParityDomain", "--set", "model.backend=vllm",
+                          "--set", "model.max_model_len=64", "--set", f"model.vllm_env={env_json}",
+                          "--set", "weight.lora.r=8"], capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    summary = json.loads(res.stdout.decode().strip().splitlines()[-1])
+    assert summary["n"] == 2 and summary["rollouts"] == 2
+    records = read_log(log)
+    [load] = [r["body"] for r in records if r["path"] == "/v1/load_lora_adapter"]
+    assert load["lora_path"] == str(folder.resolve()) and load["lora_name"].startswith("w3@")
+    assert {r["body"]["model"] for r in records if r["path"] == "/v1/completions"} == {load["lora_name"]}
