@@ -21,6 +21,7 @@ from fake_vllm import FakeVLLM, read_log
 
 from whale.config import ConfigError, load_config
 from whale.engine.base import GenerationRequest, SamplingParams
+from whale.engine.openai import HTTPFailure, http_json
 from whale.engine.vllm import VLLMEngine
 from whale.engine.vllm_server import GiB, VLLMServer, cpu_kv_cache_gib
 
@@ -130,6 +131,28 @@ def test_dead_server_is_restarted_with_the_current_adapter(tmp_path):
     [sent] = [r["body"] for r in second if r["path"] == "/v1/completions"]
     assert sent["model"] == reload["lora_name"]
     eng.close()
+
+
+def test_a_client_finds_the_adapter_its_driver_loaded_again(tmp_path):
+    """A Ray worker's client (routes copied from the driver) never falls back to the base model."""
+    log = tmp_path / "fake.jsonl"
+    driver = VLLMEngine("m", python=sys.executable, env=fake_env(log))
+    driver.load_weights(str(adapter(tmp_path, "a1")), "w1")
+    client = VLLMEngine("m", base_url=driver.base_url)
+    client.weights_version, client._route = driver.weights_version, driver._route  # executor.CLIENT_STATE
+    os.kill(server_pid(driver), signal.SIGKILL)
+    driver.generate([GenerationRequest(QUESTION, seed=0)], SAMPLING)  # the driver restarts it, w1 again
+    [[g]] = client.generate([GenerationRequest(QUESTION, seed=0)], SAMPLING)  # 404 on its old name first
+    assert g.finish_reason == "stop" and client._route == driver._route != "w1@1"
+    assert read_log(log)[-1]["body"]["model"] == driver._route
+    driver.load_weights(None, "base")
+    for m in http_json(driver.base_url + "/v1/models")["data"]:  # the adapter gone from the server
+        if m.get("parent"):
+            http_json(driver.base_url + "/v1/unload_lora_adapter", {"lora_name": m["id"]})
+    with pytest.raises(RuntimeError, match="no longer serves the adapter of weights 'w1'"):
+        client._reload_current()
+    driver.close()
+    client.close()
 
 
 def test_calls_fail_with_the_reason_once_restarts_are_spent(tmp_path):

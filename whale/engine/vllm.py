@@ -217,7 +217,8 @@ class VLLMEngine:
                 return self._post(path, make_body())
             except HTTPFailure as e:
                 failure = e
-            if attempt + 1 < self.call_attempts and (failure.status == 0 or failure.status >= 500):
+            stale_route = failure.status == 404 and path == "/v1/completions"  # the adapter's name changed
+            if attempt + 1 < self.call_attempts and (failure.status == 0 or failure.status >= 500 or stale_route):
                 try:
                     if self._recover(epoch, failure):
                         continue
@@ -237,8 +238,12 @@ class VLLMEngine:
         with self._lock:
             if self._epoch != epoch:
                 return True  # another thread recovered the server meanwhile
-            if self._healthy():
-                return failure.status == 0  # a reset or timeout on a live server: once more; a 5xx is this request's
+            if self._healthy():  # a reset or timeout on a live server: once more; a 5xx is this request's own
+                try:
+                    self._reload_current()  # someone else restarted it: the adapter may have a new name
+                except (RuntimeError, HTTPFailure) as e:
+                    raise ServerDown(str(e)) from None
+                return failure.status in (0, 404)
             if self.restarts >= self.max_restarts:
                 raise ServerDown(f"the vLLM server is down and was already recovered {self.restarts} times "
                                  f"(max_restarts); last: {self.last_restart_reason}")
@@ -272,14 +277,24 @@ class VLLMEngine:
             time.sleep(2.0)
 
     def _reload_current(self) -> None:
-        """After a restart: the server knows no adapter; load the current one again (older ones are gone)."""
-        served = {m["id"] for m in http_json(self.base_url + "/v1/models", timeout_s=30)["data"]}
-        if self._route is not None and self._route in served:
-            return  # an external server that only blinked still has it
-        self._adapters, self._routes = [], {self.weights_version: None}
-        self._route = None
-        if self._adapter_path is not None:
+        """After a restart the server knows no adapter: route the current version again.
+
+        Adapter names start with their version ("w3@7"): a client that never loaded the adapter
+        itself (a Ray worker's) finds the one its driver loaded again; an engine that loaded it
+        loads it again; one that can do neither fails its calls rather than fall back to the base.
+        """
+        served = [m["id"] for m in http_json(self.base_url + "/v1/models", timeout_s=30)["data"]]
+        if self._route is None or self._route in served:
+            return  # the base model, or an external server that only blinked and still has it
+        again = [name for name in served if name.startswith(f"{self.weights_version}@")]
+        self._adapters = [a for a in self._adapters if a[0] in served]
+        self._routes = {v: r for v, r in self._routes.items() if r is None or r in served}
+        if again:
+            self._route = self._routes[self.weights_version] = again[-1]
+        elif self._adapter_path is not None:
             self._register_adapter(self._adapter_path, self.weights_version)
+        else:
+            raise RuntimeError(f"the server no longer serves the adapter of weights {self.weights_version!r}")
 
     def _model_for(self, version: str) -> str:
         """The served model name for requests submitted under `version`."""
