@@ -180,10 +180,6 @@ class VLLMEngine:
     def proc(self):
         return None if self.server is None else self.server.proc
 
-    @property
-    def log_path(self) -> str | None:
-        return None if self.server is None else self.server.log_path
-
     def _describe_server(self) -> None:
         """The base model's served name and context length, from GET /v1/models."""
         models = http_json(self.base_url + "/v1/models", timeout_s=30)["data"]
