@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -22,17 +22,34 @@ class ModelConfig(_Strict):
     name: str = Field("smollm2-135m", description="'smollm2-135m' (offline default), an HF id, or a local folder")
     backend: Literal["hf", "vllm", "openai", "null"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ... (hf: the engine; vllm: the trainer)")
     base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
     max_model_len: int = 4096
-    max_batch_size: int = Field(32, description="hf: most sequences generated together")
+    max_batch_size: int = Field(32, ge=1, description="hf: most sequences generated together; vllm: requests in flight")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
+    data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
+                                    "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: share of each GPU the server "
+                                                 "takes; leave the rest to a trainer on the same GPU (docs/vllm.md)")
+    vllm_env: dict[str, str] = Field(default_factory=dict, description="vllm: environment of the server, e.g. "
+                                     "CUDA_VISIBLE_DEVICES or VLLM_CPU_KVCACHE_SPACE (GiB)")
+    vllm_max_restarts: int = Field(3, ge=0, description="vllm: times a server that died is recovered in one run")
 
     @field_validator("backend", mode="before")
     @classmethod
     def _null_backend(cls, v):
         return "null" if v is None else v  # `--set model.backend=null` parses as YAML null
+
+    @model_validator(mode="after")
+    def _vllm_keys_need_vllm(self):
+        """A vLLM setting under another backend would be silently ignored: refuse it."""
+        if self.backend != "vllm":
+            defaults = {"vllm_args": [], "data_parallel_size": 1, "gpu_memory_utilization": None, "vllm_env": {}}
+            wrong = [k for k, v in defaults.items() if getattr(self, k) != v]
+            if wrong:
+                raise ValueError(f"model.{wrong[0]} only applies to backend 'vllm' (backend is {self.backend!r})")
+        return self
 
 
 class SamplingConfig(_Strict):

@@ -200,13 +200,14 @@ class Experiment:
     # ------------------------------------------------------------------ weight phase
     def _ensure_trainer(self):
         if self.trainer is None:
+            from whale.weights.from_disk import training_model
             from whale.weights.trainer import Trainer
 
             sync = self.engine.weight_sync
             if sync == "in_place":  # hf: train the served model object itself, no copy
                 model, tokenizer = self.engine.model, self.engine.tokenizer
             elif sync == "from_disk":  # vLLM: train an hf copy; RSFT saves adapters, the server loads them
-                model, tokenizer = _training_model(self.cfg)
+                model, tokenizer = training_model(self.cfg)
             else:
                 raise ConfigError(f"model.backend {self.cfg.model.backend!r} serves inference only; "
                                   "weight phases need backend hf or vllm")
@@ -358,21 +359,6 @@ class Experiment:
 
     def _search_ledger(self, purpose: str, trajectories: list) -> None:
         self.ledger_add(purpose, trajectories)
-
-
-def _training_model(cfg: Config):
-    """The model the trainer updates when the engine is a separate server (vLLM)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from whale.engine.default_model import resolve_model_path
-
-    path = str(resolve_model_path(cfg.model.name))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        cfg.model.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:
