@@ -186,7 +186,7 @@ def test_watchdog_ends_the_server_when_whale_is_killed(tmp_path):
 
 def test_vllm_keys_need_the_vllm_backend():
     for key, value in [("data_parallel_size", 2), ("gpu_memory_utilization", 0.4), ("vllm_args", "[--x]")]:
-        with pytest.raises(ConfigError, match=f"model.{key} only applies to backend 'vllm'"):
+        with pytest.raises(ConfigError, match=f"'model.{key}' is read only with model.backend vllm"):
             load_config(None, [f"model.{key}={value}"])
     cfg = load_config(None, ["model.backend=vllm", "model.data_parallel_size=8", "model.gpu_memory_utilization=0.45"])
     assert cfg.model.data_parallel_size == 8

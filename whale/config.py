@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Strict(BaseModel):
@@ -40,16 +40,6 @@ class ModelConfig(_Strict):
     @classmethod
     def _null_backend(cls, v):
         return "null" if v is None else v  # `--set model.backend=null` parses as YAML null
-
-    @model_validator(mode="after")
-    def _vllm_keys_need_vllm(self):
-        """A vLLM setting under another backend would be silently ignored: refuse it."""
-        if self.backend != "vllm":
-            defaults = {"vllm_args": [], "data_parallel_size": 1, "gpu_memory_utilization": None, "vllm_env": {}}
-            wrong = [k for k, v in defaults.items() if getattr(self, k) != v]
-            if wrong:
-                raise ValueError(f"model.{wrong[0]} only applies to backend 'vllm' (backend is {self.backend!r})")
-        return self
 
 
 class SamplingConfig(_Strict):
@@ -303,7 +293,8 @@ def refuse_ignored_settings(cfg: Config) -> None:
     m, default = cfg.model, ModelConfig()
     ignored = [
         ("model.base_url", m.base_url is not None and m.backend in ("hf", "null"), "model.backend vllm or openai"),
-        ("model.vllm_args", bool(m.vllm_args) and m.backend != "vllm", "model.backend vllm"),
+        *((f"model.{k}", getattr(m, k) != getattr(default, k) and m.backend != "vllm", "model.backend vllm")
+          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts")),
         ("model.api_key_env", m.api_key_env != default.api_key_env and m.backend != "openai", "model.backend openai"),
         ("compute.ray_address", cfg.compute.ray_address is not None and cfg.compute.executor != "ray",
          "compute.executor ray"),
