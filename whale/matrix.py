@@ -41,7 +41,7 @@ from whale.engine.default_model import resolve_model_path  # noqa: E402
 from whale.evaluate import bootstrap_ci, eval_seed, evaluate  # noqa: E402
 from whale.harness.runner import RolloutRunner  # noqa: E402
 from whale.search.archive import Archive  # noqa: E402
-from whale.store import atomic_write, fingerprint_problems, read_metrics  # noqa: E402
+from whale.store import Ledger, append_line, atomic_write, fingerprint_problems, read_metrics  # noqa: E402
 
 BASE = "base"
 
@@ -185,32 +185,32 @@ class Matrix:
         row = {"harness": h.label, "weights": w.label, "split": self.split, "k": self.k, "n": len(self.problems),
                "mean_at_k": result["mean_at_k"], "ci95": list(result["ci95"]),
                "per_problem": list(result["per_problem"]), "rollouts": 0 if reused else result["rollouts"],
-               "reused": reused}
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.cells_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.cells[(h.label, w.label)] = row
+               "reused": reused, **{x: 0 if reused else int(result.get(x, 0))
+                                    for x in ("prompt_tokens", "completion_tokens")},
+               "llm_calls": 0 if reused else int(round(result.get("mean_llm_calls", 0) * result["rollouts"]))}
         if not reused:
-            self._count(row)
+            self._count(row)  # before the cell is stored: a kill in between recomputes it, counted once
+        self.out.mkdir(parents=True, exist_ok=True)
+        append_line(self.cells_path, row)
+        self.cells[(h.label, w.label)] = row
 
     def _count(self, row: dict[str, Any]) -> None:
-        """Add a computed cell's rollouts to the run's ledger (as `eval`), once per cell."""
+        """Add a computed cell's rollouts to the run's ledger (as `eval`), keyed by the cell, so a
+        cell is counted once however often the matrix is rerun (ledger.jsonl is the record)."""
         path = self.main.path / "state.json"
         state = json.loads(path.read_text())
-        counted = state.setdefault("matrix_cells_counted", [])
-        key = f"{self.split}/{self.k}/{row['harness']}/{row['weights']}"
-        if key in counted:
+        ledger = Ledger.load(self.main.path / "ledger.jsonl", state.get("ledger"))
+        key = f"matrix:{self.split}/{self.k}/{row['harness']}/{row['weights']}"
+        if key in ledger.keys:
             return
-        counted.append(key)
-        ledger = state.setdefault("ledger", {})
-        rollouts = ledger.setdefault("rollouts", {})
-        rollouts["eval"] = int(rollouts.get("eval", 0)) + int(row["rollouts"])
+        ledger.count(key, "eval", row["rollouts"], llm_calls=row["llm_calls"], prompt_tokens=row["prompt_tokens"],
+                     completion_tokens=row["completion_tokens"])
+        state["ledger"] = ledger.snapshot()
         atomic_write(path, json.dumps(state, indent=1, default=str))
-        with open(self.main.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"unit": f"matrix-{key}", "event": "matrix_eval", "split": self.split,
-                                "harness": row["harness"], "weights_version": row["weights"],
-                                "mean_at_k": row["mean_at_k"], "rollouts": row["rollouts"],
-                                "ledger": ledger}) + "\n")
+        append_line(self.main.path / "metrics.jsonl",
+                    {"unit": key, "event": "matrix_eval", "split": self.split, "harness": row["harness"],
+                     "weights_version": row["weights"], "mean_at_k": row["mean_at_k"], "rollouts": row["rollouts"],
+                     "ledger": state["ledger"]})
 
     def _harness_source(self, h: HarnessRef) -> str:
         return Archive(h.run_dir).source(h.harness_id)

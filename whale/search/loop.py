@@ -69,6 +69,9 @@ class HarnessSearch:
         self._resumed = False
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
+        # the candidate whose rollouts the next ledger_callback counts, so the caller can key each
+        # batch by the work that ran it (a batch run again after a kill is then recognised as redone)
+        self.subject: str | None = None
 
     # ----- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -177,6 +180,7 @@ class HarnessSearch:
         return self.archive.record_scores(cid, version, trajs, gold=gold)
 
     def _rescore(self, cid: str, version: str) -> float:
+        self.subject = cid
         scores = self.archive.scores(cid, version)
         reused = scores is not None
         if not reused:
@@ -190,7 +194,9 @@ class HarnessSearch:
         st = self._state
         version, incoming = st["weights_version"], st["incoming_id"]
         if st["pending"] is None or st["pending"]["iteration"] != it:
-            ids = self._propose(it, incoming, version)
+            ids = self._archived_round(it, incoming, version)
+            if ids is None:
+                ids = self._propose(it, incoming, version)
             st["pending"] = {"iteration": it, "ids": ids}
             self._emit({"event": "proposals", "iteration": it, "ids": ids})
         rates = []
@@ -201,11 +207,23 @@ class HarnessSearch:
                 rates.append(scores["success_rate"])
         return rates
 
+    def _tag(self, it: int, incoming: str, version: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
+
+    def _archived_round(self, it: int, incoming: str, version: str) -> list[str] | None:
+        """The candidate ids of iteration `it` when its proposals were archived before a kill cut
+        the state save that would have marked them pending (so the proposer is not asked twice)."""
+        path = self.archive.root / "_proposals" / self._tag(it, incoming, version) / "round.json"
+        if not path.exists():
+            return None
+        ids = json.loads(path.read_text()).get("ids", [])
+        return ids if all(cid in self.archive.ids() for cid in ids) else None
+
     def _propose(self, it: int, incoming: str, version: str) -> list[str]:
         m = self.cfg.harness.candidates_per_iteration
         prompt_only = self.cfg.harness.prompt_only
         base = self.archive.source(incoming)
-        tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
+        tag = self._tag(it, incoming, version)
         brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
                            frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base)
         ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
@@ -238,6 +256,7 @@ class HarnessSearch:
 
     def _handle(self, cid: str, it: int, version: str) -> None:
         """Validate and evaluate one pending candidate (already handled ones are left alone)."""
+        self.subject = cid
         meta = self.archive.meta(cid)
         row = {"iteration": it, "id": cid, "parent": meta["parent"], "mechanism": meta["mechanism"]}
         if meta["status"] != "pending":  # handled before a kill: report it again, in case its row was lost
@@ -285,6 +304,7 @@ class HarnessSearch:
         return incoming
 
     def _probe(self, cid: str, version: str) -> dict[str, Any]:
+        self.subject = cid
         real: dict[str, list[float]] = {}
         for row in self.archive.traces(cid, version):
             real.setdefault(row["problem_id"], []).append(float(row["reward"]))
