@@ -22,7 +22,7 @@ import pytest
 
 from whale.config import Config, ConfigError
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import LLMCall, Trajectory
@@ -98,7 +98,7 @@ class ToyDomain:
         return TOY_H0
 
 
-class TableEngine:
+class TableEngine(QueuedSubmit):
     """Right answer when the prompt says 'digits only' (or among choices), else a useless sentence."""
 
     returns_ids = False
@@ -774,7 +774,7 @@ class FakeDomains:
         return fake_grade
 
 
-class DomainEngine:
+class DomainEngine(QueuedSubmit):
     """Plausible replies per domain: a search then an answer; code then a boxed answer; a move."""
 
     returns_ids = False

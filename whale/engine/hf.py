@@ -259,8 +259,13 @@ class HFEngine:
         return any(x in tail for x in stop)
 
     def _cache_kwarg(self) -> str:
-        """The forward argument that takes the KV cache: `cache` in recent transformers, else the old name."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        """The forward argument that takes the KV cache: `cache` in recent transformers, else the old name.
+
+        Read from the transformers model itself: a peft wrapper passes it through as **kwargs."""
+        from peft import PeftModel  # heavy; only needed to see through the trainer's wrapper
+
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
     # ------------------------------------------------------------------ choices
 

@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
+from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -67,7 +67,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VLLMEngine:
+class VLLMEngine(QueuedSubmit):  # h2-vllm replaces this with a native submit
     """The `Engine` protocol on a vLLM server (started here, or at `base_url`)."""
 
     returns_ids = True
