@@ -59,7 +59,7 @@ class KVSlab:
         if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
             return
         new_rows = max(rows, self.rows)
-        new_cols = cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
+        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
         new_cols = -(-new_cols // 64) * 64
         old = self.data
         self.rows, self.cols = new_rows, new_cols
@@ -136,6 +136,7 @@ class SlabView(Cache):
 
 @dataclass
 class _Entry:
+    key: int
     ids: np.ndarray
     kv: torch.Tensor  # [layers, 2, heads, len(ids), dim]
 
@@ -166,15 +167,18 @@ class PrefixCache:
         self.bytes = 0
 
     def longest(self, ids: np.ndarray) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with `ids`, and that length (marked as recently used)."""
-        best, best_len, best_key = None, 0, None
-        for key, entry in self.entries.items():
+        """The entry sharing the longest prefix with `ids`, and that length."""
+        best, best_len = None, 0
+        for entry in self.entries.values():
             n = common_prefix(ids, entry.ids)
             if n > best_len:
-                best, best_len, best_key = entry, n, key
-        if best_key is not None:
-            self.entries.move_to_end(best_key)
+                best, best_len = entry, n
         return best, best_len
+
+    def used(self, entry: _Entry) -> None:
+        """Mark `entry` as just used (copied from), so it is evicted last."""
+        if entry.key in self.entries:
+            self.entries.move_to_end(entry.key)
 
     def wants(self, ids: np.ndarray, nbytes: int) -> bool:
         """Is an entry of `ids` (costing `nbytes`) worth storing: it fits, and no entry already covers it?"""
@@ -188,10 +192,10 @@ class PrefixCache:
         for key in [k for k, e in self.entries.items() if len(e.ids) <= len(ids)
                     and common_prefix(ids, e.ids) == len(e.ids)]:
             self.bytes -= self.entries.pop(key).nbytes
-        entry = _Entry(ids, kv)
+        self._next += 1
+        entry = _Entry(self._next, ids, kv)
         while self.entries and self.bytes + entry.nbytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
             self.bytes -= old.nbytes
-        self._next += 1
-        self.entries[self._next] = entry
+        self.entries[entry.key] = entry
         self.bytes += entry.nbytes

@@ -359,6 +359,7 @@ class Scheduler:
                     if n:
                         self.stats["prefix_hits"] += 1
                         if src_row is None:
+                            self.prefix.used(entry)
                             self.slab.load_row(item.row, entry.kv, n)
                         else:
                             self.slab.copy_row(src_row, item.row, n)
