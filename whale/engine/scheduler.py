@@ -149,7 +149,7 @@ def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
             "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
-            "max_live_rows": 0}
+            "max_live_rows": 0, "slab_peak_bytes": 0, "prefix_peak_bytes": 0}
 
 
 class Scheduler:
@@ -293,6 +293,9 @@ class Scheduler:
         if self.rows:
             self._decode_step()
             self._retire()
+        stats = self.stats
+        stats["slab_peak_bytes"] = max(stats["slab_peak_bytes"], self.slab.nbytes)
+        stats["prefix_peak_bytes"] = max(stats["prefix_peak_bytes"], self.prefix.bytes)
 
     def _clear_prefix(self) -> None:
         self.prefix.clear()
