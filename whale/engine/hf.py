@@ -37,7 +37,8 @@ import torch
 from whale.engine.base import (Generation, GenerationRequest, SamplingParams, error_generations, wait_all,
                                weights_kind)
 from whale.engine.default_model import resolve_model_path
-from whale.engine.scheduler import Job, Scheduler, Seq
+from whale.engine.jobs import Job, Seq
+from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -58,7 +58,9 @@ class KVSlab:
         """Make room for `rows` rows of `cols` columns, keeping what is stored."""
         if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
             return
-        new_rows = max(rows, self.rows)
+        # grow by half at least, so rows joining one by one (or a sequence growing one column per
+        # step) copy the slab a logarithmic number of times, not on every join
+        new_rows = self.rows if rows <= self.rows else max(rows, self.rows + self.rows // 2, 4)
         new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
         new_cols = -(-new_cols // 64) * 64
         old = self.data

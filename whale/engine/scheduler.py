@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from whale.engine.base import GenerationRequest, SamplingParams, error_generations
+from whale.engine.base import SamplingParams
+from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
+                               start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
@@ -53,96 +53,6 @@ MIN_SHARED = 16  # a prefix shorter than this is recomputed rather than waited f
 PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
 CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
 CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
-
-
-@dataclass(eq=False)
-class Job:
-    """One submitted request: `kind` "sample" (n sequences), "choice" (draw among choices) or
-    "score" (return log p of each choice; `HFEngine.choice_logprobs`)."""
-
-    future: Future
-    kind: str
-    prompt: list[int]
-    sampling: SamplingParams
-    request: GenerationRequest | None = None
-    seeds: list[int] = field(default_factory=list)
-    max_new: int = 0
-    stop: list[str] = field(default_factory=list)
-    choice_ids: list[list[int]] = field(default_factory=list)
-    results: list[Any] = field(default_factory=list)
-    scores: torch.Tensor | None = None
-    remaining: int = 0
-    started: bool = False
-    done: bool = False
-
-
-@dataclass(eq=False)
-class Seq:
-    """Sample `index` of a sample job. Its slab row holds the KV of (prompt + ids)[:kv_len]."""
-
-    job: Job
-    index: int
-    prompt: list[int]
-    prompt_np: np.ndarray
-    uniforms: list[float]
-    stop_window: int
-    ids: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    finish: str | None = None
-    start: int = 0  # prompt columns copied from a shared prefix
-    row: int = -1
-    tree: list[list[int]] = field(default_factory=list)  # no choice tokens
-
-
-@dataclass(eq=False)
-class ChoiceRow:
-    """Some choices of a choice/score job, scored in one row after the prompt."""
-
-    job: Job
-    choices: list[int]  # indices into job.choice_ids
-    prompt: list[int]
-    prompt_np: np.ndarray
-    start: int = 0
-    row: int = -1
-
-    @property
-    def tree(self) -> list[list[int]]:
-        return [self.job.choice_ids[c] for c in self.choices]
-
-
-def sample_tokens(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Next token per row by inverse-CDF sampling with the row's uniform `u` (greedy at T=0)."""
-    if sampling.temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
-    order = None
-    if 0 < sampling.top_k < logits.shape[-1]:
-        logits, order = logits.topk(sampling.top_k, dim=-1)  # sorted, largest first
-    elif sampling.top_p < 1.0:
-        logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = torch.softmax(logits, dim=-1)
-    if sampling.top_p < 1.0:  # nucleus: keep the smallest prefix with mass >= top_p
-        probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)
-    cdf = probs.cumsum(-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=cdf.shape[-1] - 1)
-    return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
-
-
-def draw_choices(logp: torch.Tensor, seeds: list[int], temperature: float) -> list[int]:
-    """Indices of the drawn choices, one per seed: softmax(logp / T), argmax at T=0."""
-    if temperature <= 0:
-        return [int(logp.argmax())] * len(seeds)
-    cdf = torch.softmax(logp / temperature, dim=-1).cumsum(-1)
-    picks = []
-    for seed in seeds:
-        u = 1.0 - torch.rand(1, generator=torch.Generator().manual_seed(seed % (1 << 63)))
-        picks.append(int(torch.searchsorted(cdf, u * cdf[-1]).clamp(max=len(logp) - 1)))
-    return picks
-
-
-def weights_stamp(model: Any) -> tuple[int, int]:
-    """Changes whenever a parameter is modified in place (autograd's version counters) or swapped."""
-    return id(model), sum(p._version for p in model.parameters())
 
 
 def _new_stats() -> dict[str, float]:
@@ -176,7 +86,7 @@ class Scheduler:
         with self.cond:
             if self.stopping:
                 for job in jobs:
-                    _fail(job, "error: the engine is closed")
+                    fail_job(job, "error: the engine is closed")
                 return
             for job in jobs:
                 if job.kind == "sample":
@@ -251,9 +161,9 @@ class Scheduler:
                                          choice_jobs)
         with self.cond:
             for seq in self.waiting:
-                _fail(seq.job, "error: the engine is closed")
+                fail_job(seq.job, "error: the engine is closed")
             for job in self.waiting_choices:
-                _fail(job, "error: the engine is closed")
+                fail_job(job, "error: the engine is closed")
             self.waiting, self.waiting_choices = [], []
             self.busy = False
             self.cond.notify_all()
@@ -270,10 +180,10 @@ class Scheduler:
         admitted: list[Seq] = []
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)
-            if _start(seq.job):
+            if start_job(seq.job):
                 admitted.append(seq)
                 free -= 1
-        choice_jobs = [job for job in self.waiting_choices if _start(job)]
+        choice_jobs = [job for job in self.waiting_choices if start_job(job)]
         self.waiting_choices = []
         return admitted, choice_jobs
 
@@ -304,9 +214,9 @@ class Scheduler:
 
     def _fail_in_flight(self, message: str, admitted: list[Seq], choice_jobs: list[Job]) -> None:
         for seq in self.rows + admitted:
-            _fail(seq.job, message)
+            fail_job(seq.job, message)
         for job in choice_jobs:
-            _fail(job, message)
+            fail_job(job, message)
         self.rows = []
         self.slab.clear()
         self.prefix.clear()
@@ -489,7 +399,7 @@ class Scheduler:
             else:
                 picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
                 job.results = [self.engine.choice_generation(job, c) for c in picks]
-            _resolve(job)
+            resolve_job(job)
 
     def _choice_scores(self, row: ChoiceRow, logits: torch.Tensor) -> None:
         """log p(choice | prompt) of the row's choices from its kept logits [keep, vocab].
@@ -561,7 +471,7 @@ class Scheduler:
                 s.job.results[s.index] = self.engine.finish_generation(s)
                 s.job.remaining -= 1
                 if s.job.remaining == 0:
-                    _resolve(s.job)
+                    resolve_job(s.job)
         live = sum(1 for s in self.rows if s.finish is None)
         holes = [i for i in range(live) if self.rows[i].finish is not None]
         movers = [i for i in range(live, len(self.rows)) if self.rows[i].finish is None]
@@ -586,30 +496,3 @@ def _suffix_len(item: Seq | ChoiceRow, start: int) -> int:
 
 def _tree_len(item: Seq | ChoiceRow) -> int:
     return sum(len(c) for c in item.tree)
-
-
-def _start(job: Job) -> bool:
-    """Mark a job as running; False if its future was cancelled (then it is dropped)."""
-    if job.done:
-        return False
-    if not job.started:
-        job.started = True
-        if not job.future.set_running_or_notify_cancel():
-            job.done = True
-            return False
-    return True
-
-
-def _resolve(job: Job) -> None:
-    if not job.done:
-        job.done = True
-        job.future.set_result(job.results)
-
-
-def _fail(job: Job, message: str) -> None:
-    if not job.done:
-        job.done = True
-        if not job.started and not job.future.set_running_or_notify_cancel():
-            return
-        job.future.set_result(error_generations(message))
-
