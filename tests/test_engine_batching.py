@@ -325,3 +325,15 @@ def test_queued_submit_batches_what_arrives_while_busy():
     gate.set()
     assert all(f.result()[0].text == "x" for f in [first, *rest])
     assert sum(engine.batches) == 6 and len(engine.batches) <= 3
+
+
+def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.05)
+    eng = make(tiny_model_dir)
+    try:
+        first = ids(eng, messages=USER, seed=4, max_tokens=3)
+        wait_for(lambda: eng.scheduler.thread is None, timeout=10)  # nothing holds the engine now
+        assert eng.scheduler.slab.data is None
+        assert ids(eng, messages=USER, seed=4, max_tokens=3) == first
+    finally:
+        eng.close()

@@ -297,6 +297,7 @@ class HFEngine:
                     self._load_adapter(folder)
                 else:
                     self._load_full(folder)
+                self.cache_kwarg = self._cache_kwarg()
             self.weights_version = version
 
     def _load_full(self, folder: Path) -> None:
@@ -312,7 +313,6 @@ class HFEngine:
                 return
         _check_full_attention(new.config)
         self.model = new.to(self.device).eval()  # other architecture, or drop the adapter wrapper
-        self.cache_kwarg = self._cache_kwarg()
         self._free_cuda()
 
     @staticmethod

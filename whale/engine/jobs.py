@@ -55,6 +55,11 @@ class Seq:
     row: int = -1
     tree: list[list[int]] = field(default_factory=list)  # no choice tokens
 
+    def next_token(self) -> int:
+        """The token the next decode step feeds: the last prompt token while the prompt is not all
+        in the KV (a row that joined from a shared prefix), then the last sampled one."""
+        return self.prompt[self.kv_len] if self.kv_len < len(self.prompt) else self.ids[-1]
+
 
 @dataclass(eq=False)
 class ChoiceRow:

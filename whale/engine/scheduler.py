@@ -51,8 +51,10 @@ if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a r
 
 MIN_SHARED = 16  # a prefix shorter than this is recomputed rather than waited for
 PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
+FORWARD_TOKENS = 32  # a forward's fixed cost (weights read, Python) in tokens of compute, on a CPU
 CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
 CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
+IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
 
 
 def _new_stats() -> dict[str, float]:
@@ -149,7 +151,9 @@ class Scheduler:
                             self.busy = False
                             self.slab.clear()  # free the KV memory while idle (training may follow)
                             self.cond.notify_all()
-                        self.cond.wait()
+                        if not self.cond.wait(IDLE_EXIT_S) and not self._has_work() and not self.stopping:
+                            self.thread = None  # idle for long: end, so a dropped engine can be freed
+                            return
                     if self.stopping:
                         break
                     self.busy = True
@@ -240,7 +244,7 @@ class Scheduler:
             if n > best[2]:
                 best = (seq.row, None, n)
         for other in done:
-            n = min(common_prefix(item.prompt_np, other.prompt_np), len(other.prompt), limit)
+            n = min(common_prefix(item.prompt_np, other.prompt_np), _prompt_cols(other), limit)
             if n > best[2]:
                 best = (other.row, None, n)
         entry, n = self.prefix.longest(item.prompt_np)
@@ -263,7 +267,13 @@ class Scheduler:
                 else:
                     this_round.append((item, source))
             this_round.sort(key=lambda x: -_suffix_len(x[0], x[1][2]))
-            for chunk in self._chunks(this_round):
+            # a sequence left with one prompt token to feed is a decode row already: it joins the
+            # next decode step instead of costing a forward of its own (the k samples of a problem)
+            ready, rest = [], []
+            for x in this_round:
+                (ready if isinstance(x[0], Seq) and _suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
+            chunks = ([ready] if ready else []) + self._chunks(rest)
+            for chunk in chunks:
                 for item, source in chunk:
                     item.row, row = row, row + 1
                 self.slab.reserve(row, max(len(it.prompt) + _tree_len(it) + 1 for it, _ in chunk))
@@ -276,26 +286,39 @@ class Scheduler:
                             self.slab.load_row(item.row, entry.kv, n)
                         else:
                             self.slab.copy_row(src_row, item.row, n)
-                self._forward_chunk([item for item, _ in chunk])
+                if chunk is ready:
+                    for item, _ in chunk:
+                        item.kv_len = item.start
+                        self.stats["prefill_tokens_requested"] += len(item.prompt)
+                        self.stats["prefill_tokens_computed"] += 1
+                else:
+                    self._forward_chunk([item for item, _ in chunk])
                 done.extend(item for item, _ in chunk)
             pending = later
 
-    def _chunks(self, items: list[tuple[Any, tuple]]):
-        """Consecutive groups within the padded-token and logits budgets (items sorted longest first)."""
+    def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
+        """Split `items` (sorted longest first) into forwards of consecutive items, minimising padded
+        tokens plus FORWARD_TOKENS per forward, within the padded-token and logits budgets."""
         vocab = self.engine.vocab_size
-        chunk: list[tuple[Any, tuple]] = []
-        width, keep = 0, 1
-        for item, source in items:
-            w = max(width, _suffix_len(item, source[2]))
-            k = max(keep, _tree_len(item) + 1)
-            n = len(chunk) + 1
-            if chunk and (n * w > PREFILL_TOKENS or n * k * vocab * 4 > CHOICE_LOGITS_BYTES):
-                yield chunk
-                chunk, w, k = [], _suffix_len(item, source[2]), _tree_len(item) + 1
-            chunk.append((item, source))
-            width, keep = w, k
-        if chunk:
-            yield chunk
+        lengths = [_suffix_len(item, source[2]) for item, source in items]
+        keeps = [_tree_len(item) + 1 for item, _ in items]
+        best = [0.0] + [float("inf")] * len(items)  # best[j]: cost of the first j items
+        cut = [0] * (len(items) + 1)
+        for j in range(1, len(items) + 1):
+            keep = 1
+            for i in range(j - 1, -1, -1):  # the chunk items[i:j]; its width is lengths[i]
+                keep = max(keep, keeps[i])
+                m = j - i
+                if m > 1 and (m * lengths[i] > PREFILL_TOKENS or m * keep * vocab * 4 > CHOICE_LOGITS_BYTES):
+                    break
+                cost = best[i] + FORWARD_TOKENS + m * lengths[i]
+                if cost < best[j]:
+                    best[j], cut[j] = cost, i
+        chunks, j = [], len(items)
+        while j > 0:
+            chunks.append(items[cut[j]:j])
+            j = cut[j]
+        return chunks[::-1]
 
     def _forward_chunk(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
         """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
@@ -423,7 +446,8 @@ class Scheduler:
         kv = torch.tensor([s.kv_len for s in self.rows])
         width = int(kv.max()) + 1
         self.slab.reserve(n, width)
-        tokens = torch.tensor([[s.ids[-1]] for s in self.rows], device=dev)
+        tokens = torch.tensor([[s.next_token()] for s in self.rows], device=dev)
+        joining = sum(1 for s in self.rows if s.kv_len < len(s.prompt))  # their last prompt token
         mask = (torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width)
         cols = kv.unsqueeze(-1).to(dev)
         view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
@@ -434,7 +458,7 @@ class Scheduler:
         self._sample(self.rows, logits[:, -1])
         self.stats["decode_seconds"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += n
+        self.stats["decode_tokens"] += n - joining
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
@@ -492,6 +516,11 @@ class Scheduler:
 
 def _suffix_len(item: Seq | ChoiceRow, start: int) -> int:
     return len(item.prompt) - start + _tree_len(item)
+
+
+def _prompt_cols(item: Seq | ChoiceRow) -> int:
+    """Columns of an item's row that hold its prompt's KV (all but the last for a decode-ready one)."""
+    return item.kv_len if isinstance(item, Seq) else len(item.prompt)
 
 
 def _tree_len(item: Seq | ChoiceRow) -> int:
