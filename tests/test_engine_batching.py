@@ -337,3 +337,34 @@ def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
         assert ids(eng, messages=USER, seed=4, max_tokens=3) == first
     finally:
         eng.close()
+
+
+def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
+    """The engine's own decode attention (CPU) gives the logits transformers' sdpa gives."""
+    from whale.engine.attention import decode_attention
+    from whale.engine.kv import KVSlab
+
+    model = engine.model
+    slab = KVSlab(model.config.num_hidden_layers, engine.device)
+    rows, width = 3, 40
+    lens = torch.tensor([39, 12, 25])
+    ids = torch.randint(5, 300, (rows, width))
+    with torch.no_grad():
+        cols = torch.arange(width).expand(rows, width)
+        causal = (torch.arange(width) <= torch.arange(width).unsqueeze(-1)).expand(rows, 1, width, width)
+        slab.reserve(rows, width + 1)
+        model(input_ids=ids, attention_mask=causal, position_ids=cols, cache=slab.view(
+            0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width), use_cache=True)
+        step = ids[torch.arange(rows), lens].unsqueeze(-1)
+        out = {}
+        for on in (True, False):
+            with decode_attention(model, enabled=on) as used:
+                assert used == on
+                w = slab.cols if on else width
+                allowed = (torch.arange(w) <= lens.unsqueeze(-1)).view(rows, 1, 1, w)
+                mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if on else allowed
+                view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1), lens.unsqueeze(-1), w)
+                out[on] = model(input_ids=step, attention_mask=mask, position_ids=lens.unsqueeze(-1), cache=view,
+                                use_cache=True).logits
+        assert model.config._attn_implementation == "sdpa"  # switched back
+    assert torch.allclose(out[True], out[False], atol=1e-5)

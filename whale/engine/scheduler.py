@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from whale.engine.attention import decode_attention
 from whale.engine.base import SamplingParams
 from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
                                start_job, weights_stamp)
@@ -54,6 +55,7 @@ PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
 FORWARD_TOKENS = 32  # a forward's fixed cost (weights read, Python) in tokens of compute, on a CPU
 CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
 CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
+SLAB_DECODE_ATTENTION = True  # decode with whale.engine.attention on CPU (sdpa when False)
 IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
 
 
@@ -444,15 +446,22 @@ class Scheduler:
         dev = self.engine.device
         n = len(self.rows)
         kv = torch.tensor([s.kv_len for s in self.rows])
-        width = int(kv.max()) + 1
-        self.slab.reserve(n, width)
+        self.slab.reserve(n, int(kv.max()) + 1)
         tokens = torch.tensor([[s.next_token()] for s in self.rows], device=dev)
         joining = sum(1 for s in self.rows if s.kv_len < len(s.prompt))  # their last prompt token
-        mask = (torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width)
         cols = kv.unsqueeze(-1).to(dev)
-        view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
         t0 = time.perf_counter()
-        logits = self._forward(view, input_ids=tokens, attention_mask=self._mask(mask.to(dev)), position_ids=cols)
+        width = int(kv.max()) + 1
+        # slab attention reads every column of the live rows (contiguous) under an additive mask:
+        # worth it unless most of the columns are beyond every live row
+        use_slab = SLAB_DECODE_ATTENTION and dev.type == "cpu" and self.slab.cols <= 2 * width
+        with decode_attention(self.engine.model, enabled=use_slab) as slab:
+            width = self.slab.cols if slab else width
+            allowed = (torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width).to(dev)
+            mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")) if slab \
+                else self._mask(allowed)
+            view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
+            logits = self._forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
         for s in self.rows:
             s.kv_len += 1
         self._sample(self.rows, logits[:, -1])
