@@ -136,6 +136,13 @@ def replay_chained(engine, episodes, sampling, concurrency):
     return seconds, [g for ep in results for g in ep]
 
 
+def timed(fn, *args):
+    """(wall seconds, process CPU seconds, result) of fn(*args); CPU time is steadier on a shared machine."""
+    c0 = time.process_time()
+    seconds, out = fn(*args)
+    return seconds, time.process_time() - c0, out
+
+
 def replay_waves(engine, episodes, sampling):
     """All episodes' i-th calls in one generate, wave after wave; returns (seconds, generations)."""
     out = []
@@ -185,11 +192,11 @@ def run_workload(name, args, limits) -> dict:
         runner_stats = delta(engine.stats, before)
         episodes = episodes_of(recorder.requests, problems, args.k, rep, cfg.domain.budget.llm_calls)
         before = fresh(engine)
-        raw_s, raw_gens = replay_chained(engine, episodes, sampling, cfg.runner.concurrency)
+        raw_s, raw_cpu, raw_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
         raw_stats = delta(engine.stats, before)
         fresh(engine)
-        waves_s, waves_gens = replay_waves(engine, episodes, sampling)
-        legacy_s, legacy_gens = replay_waves(old, episodes, sampling)
+        waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
+        legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
         same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
         calls = sum(len(ep) for ep in episodes)
         row = {
@@ -202,6 +209,8 @@ def run_workload(name, args, limits) -> dict:
             "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
             "waves_over_legacy": (generated(waves_gens) / waves_s) / (generated(legacy_gens) / legacy_s),
             "legacy_s": legacy_s, "waves_s": waves_s, "raw_s": raw_s, "runner_s": runner_s,
+            "legacy_cpu_s": legacy_cpu, "waves_cpu_s": waves_cpu, "raw_cpu_s": raw_cpu,
+            "legacy_over_raw_cpu": (legacy_cpu / generated(legacy_gens)) / (raw_cpu / generated(raw_gens)),
             "same_ids_as_legacy": f"{same}/{calls}",
             "runner_engine": runner_stats, "raw_engine": raw_stats,
         }
@@ -209,7 +218,8 @@ def run_workload(name, args, limits) -> dict:
         print(f"[{name} {rep}] runner {row['runner_eps']:.2f} ep/s, raw {row['raw_eps']:.2f} ep/s "
               f"(runner/raw {row['runner_over_raw']:.2f}); tok/s raw {row['raw_tok_s']:.1f}, "
               f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
-              f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}); "
+              f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
+              f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
               f"same ids as legacy {same}/{calls}", flush=True)
     runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
@@ -229,6 +239,7 @@ def summarize(rows, limits) -> dict:
     live = st["decode_tokens"] / max(st["decode_steps"], 1)
     return {
         "runner_over_raw": mean("runner_over_raw"), "raw_over_legacy": mean("raw_over_legacy"),
+        "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
         "waves_over_legacy": mean("waves_over_legacy"), "runner_eps": mean("runner_eps"), "raw_eps": mean("raw_eps"),
         "prefill_computed_over_requested": st["prefill_tokens_computed"] / max(st["prefill_tokens_requested"], 1),
         "prefill_tok_s": prefill_tps, "prefill_limit_tok_s": limits["prefill_limit_tok_s"],
@@ -256,7 +267,8 @@ def main() -> None:
     for r in results:
         s = r["summary"]
         print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | engine tok/s vs 1c4ff05: chained "
-              f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x | prefill computed/requested "
+              f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x (CPU "
+              f"{s['legacy_over_raw_cpu']:.2f}x) | prefill computed/requested "
               f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "
               f"{s['prefill_limit_tok_s']:.0f}) | decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} "
               f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab, "
