@@ -7,6 +7,7 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           sandbox and no tools: the ceiling the runner can reach
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
   legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
+  before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
 The prefix cache is cleared before every measurement, so no run reuses another's work.
 
 Reports runner/raw (target >= 0.9), engine tokens/s over the legacy engine's (target >= 3x on
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from legacy import legacy_engine  # noqa: E402
+from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
@@ -180,6 +181,7 @@ def run_workload(name, args, limits) -> dict:
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
     recorder = Recorder(engine)
     runner = RolloutRunner(recorder, domain, cfg)
+    before_runner = legacy_runner(old, domain, cfg) if args.before else None
     runner.run(harness, problems[:2], seed=99)  # warm-up: fork server, grader pool, kernels
     old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
     rows = []
@@ -198,6 +200,11 @@ def run_workload(name, args, limits) -> dict:
         waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
         legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
         same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
+        before_s = None
+        if before_runner is not None:
+            t0 = time.perf_counter()
+            before_runner.run(harness, problems, samples=args.k, seed=rep)
+            before_s = time.perf_counter() - t0
         calls = sum(len(ep) for ep in episodes)
         row = {
             "episodes": len(trajs), "calls": calls, "errors": sum(1 for t in trajs if t.error),
@@ -212,6 +219,8 @@ def run_workload(name, args, limits) -> dict:
             "legacy_cpu_s": legacy_cpu, "waves_cpu_s": waves_cpu, "raw_cpu_s": raw_cpu,
             "legacy_over_raw_cpu": (legacy_cpu / generated(legacy_gens)) / (raw_cpu / generated(raw_gens)),
             "same_ids_as_legacy": f"{same}/{calls}",
+            "before_eps": len(trajs) / before_s if before_s else None,
+            "runner_over_before": before_s / runner_s if before_s else None,
             "runner_engine": runner_stats, "raw_engine": raw_stats,
         }
         rows.append(row)
@@ -220,8 +229,12 @@ def run_workload(name, args, limits) -> dict:
               f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
               f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
               f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
-              f"same ids as legacy {same}/{calls}", flush=True)
+              f"same ids as legacy {same}/{calls}"
+              + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
+                 if before_s else ""), flush=True)
     runner.close()
+    if before_runner is not None:
+        before_runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
           "prefix_cache_peak_mib": engine.stats["prefix_peak_bytes"] / 2**20}
     engine.close()
@@ -240,6 +253,7 @@ def summarize(rows, limits) -> dict:
     return {
         "runner_over_raw": mean("runner_over_raw"), "raw_over_legacy": mean("raw_over_legacy"),
         "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
+        "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
         "waves_over_legacy": mean("waves_over_legacy"), "runner_eps": mean("runner_eps"), "raw_eps": mean("raw_eps"),
         "prefill_computed_over_requested": st["prefill_tokens_computed"] / max(st["prefill_tokens_requested"], 1),
         "prefill_tok_s": prefill_tps, "prefill_limit_tok_s": limits["prefill_limit_tok_s"],
@@ -256,6 +270,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
     args = ap.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
@@ -272,7 +287,8 @@ def main() -> None:
               f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "
               f"{s['prefill_limit_tok_s']:.0f}) | decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} "
               f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab, "
-              f"{r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache")
+              f"{r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache"
+              + (f" | runner vs 1c4ff05 runner {s['runner_over_before']:.2f}x" if s["runner_over_before"] else ""))
     if args.json:
         for r in results:
             r["summary"] = {k: v for k, v in r["summary"].items() if not callable(v)}

@@ -368,3 +368,18 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
                                 use_cache=True).logits
         assert model.config._attn_implementation == "sdpa"  # switched back
     assert torch.allclose(out[True], out[False], atol=1e-5)
+
+
+def test_k_samples_of_one_position_are_scored_once(tiny_model_dir, plain):
+    eng = make(tiny_model_dir, prefix_cache_bytes=0)
+    try:
+        choices = ["Paris", "Nairobi", "e2e4", "boxed answer"]
+        reqs = [GenerationRequest(LONG, choices=choices, seed=s) for s in range(4)]
+        before = dict(eng.stats)
+        got = eng.generate(reqs, SamplingParams(temperature=3.0))
+        tree = sum(len(eng.tokenizer.encode(c, add_special_tokens=False)) for c in choices)
+        assert eng.stats["choice_tokens"] - before["choice_tokens"] == tree  # one row, not four
+        want = [plain.generate([r], SamplingParams(temperature=3.0))[0] for r in reqs]
+        assert [g[0].text for g in got] == [g[0].text for g in want]
+    finally:
+        eng.close()

@@ -397,9 +397,19 @@ class Scheduler:
     # ------------------------------------------------------------------ choices
 
     def _score(self, jobs: list[Job]) -> None:
-        """Score all choice jobs (rows after the live ones, freed afterwards); draw and resolve them."""
+        """Score all choice jobs (rows after the live ones, freed afterwards); draw and resolve them.
+
+        Jobs with the same prompt and the same choices (the k samples of one position) are scored
+        once: their log-probabilities are the same numbers, only their seeds differ."""
         rows: list[ChoiceRow] = []
+        scored: dict[tuple, Job] = {}
         for job in jobs:
+            key = (tuple(job.prompt), tuple(map(tuple, job.choice_ids)))
+            if key in scored:
+                job.scores = scored[key].scores  # filled in place when the first one is scored
+                self.stats["prefill_tokens_requested"] += len(job.prompt)
+                continue
+            scored[key] = job
             job.scores = torch.zeros(len(job.choice_ids))
             prompt_np = np.asarray(job.prompt, dtype=np.int64)
             budget = max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1))
@@ -420,7 +430,7 @@ class Scheduler:
                 self._remember(row.prompt_np, row.row, len(row.prompt))
         for job in jobs:
             if job.kind == "score":
-                job.results = [job.scores]
+                job.results = [job.scores.clone()]
             else:
                 picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
                 job.results = [self.engine.choice_generation(job, c) for c in picks]
