@@ -14,7 +14,10 @@ Prefix sharing. A sequence's prompt is compared with every live row and every pr
 prompt and completion, finds them). The longest shared prefix, up to all but the last prompt token
 (whose logits are needed), is copied instead of computed. When a sequence shares more with another
 one admitted in the same wave than with anything stored (the k samples of one problem, `n > 1`),
-it waits one prefill round and copies from that row. Any weight change clears the prefix cache:
+it waits one prefill round and copies from that row; a sequence left with only its last prompt
+token to feed is a decode row already and joins the next decode step without a forward of its own.
+Prefill forwards group sequences of similar length (a small DP over padding plus a per-forward
+cost), so one long prompt does not pad thirty short ones. Any weight change clears the prefix cache:
 `paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
 checked before each prefill, catches an in-place optimizer step nobody announced.
 
@@ -22,7 +25,11 @@ Choices (DESIGN §4, sequence level). One row holds the prompt and then all of a
 side by side: each choice token attends to the prompt and to its own earlier tokens only (a 4D
 "tree" mask), with rotary positions counted from the end of the prompt, so log p(choice | prompt)
 is exactly what a forward of prompt + choice alone gives, for all choices in one forward and for
-many requests in the same forward.
+many requests in the same forward. Requests with the same prompt and choices are scored once.
+
+Decode attention (CPU): whale/engine/attention.py, two matmuls over the live rows' contiguous slab
+block, which beat sdpa's flash kernel on the strided view by a quarter to a third per step at 24-32
+rows; sdpa still serves prefill, GPUs and a slab that is mostly empty columns.
 
 Why samples stay exact: a sequence draws one uniform per step from its own generator seeded with
 its request's seed (`seed + i` for sample i), consumed in step order whatever the batch; the token
@@ -46,6 +53,7 @@ from whale.engine.base import SamplingParams
 from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
                                start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
+from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
     from whale.engine.hf import HFEngine
@@ -246,7 +254,7 @@ class Scheduler:
             if n > best[2]:
                 best = (seq.row, None, n)
         for other in done:
-            n = min(common_prefix(item.prompt_np, other.prompt_np), _prompt_cols(other), limit)
+            n = min(common_prefix(item.prompt_np, other.prompt_np), prompt_cols(other), limit)
             if n > best[2]:
                 best = (other.row, None, n)
         entry, n = self.prefix.longest(item.prompt_np)
@@ -268,17 +276,17 @@ class Scheduler:
                     later.append(item)  # copy it from that row next round instead of computing it twice
                 else:
                     this_round.append((item, source))
-            this_round.sort(key=lambda x: -_suffix_len(x[0], x[1][2]))
+            this_round.sort(key=lambda x: -suffix_len(x[0], x[1][2]))
             # a sequence left with one prompt token to feed is a decode row already: it joins the
             # next decode step instead of costing a forward of its own (the k samples of a problem)
             ready, rest = [], []
             for x in this_round:
-                (ready if isinstance(x[0], Seq) and _suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
+                (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
             chunks = ([ready] if ready else []) + self._chunks(rest)
             for chunk in chunks:
                 for item, source in chunk:
                     item.row, row = row, row + 1
-                self.slab.reserve(row, max(len(it.prompt) + _tree_len(it) + 1 for it, _ in chunk))
+                self.slab.reserve(row, max(len(it.prompt) + tree_len(it) + 1 for it, _ in chunk))
                 for item, (src_row, entry, n) in chunk:
                     item.start = n
                     if n:
@@ -299,63 +307,22 @@ class Scheduler:
             pending = later
 
     def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
-        """Split `items` (sorted longest first) into forwards of consecutive items, minimising padded
-        tokens plus FORWARD_TOKENS per forward, within the padded-token and logits budgets."""
-        vocab = self.engine.vocab_size
-        lengths = [_suffix_len(item, source[2]) for item, source in items]
-        keeps = [_tree_len(item) + 1 for item, _ in items]
-        best = [0.0] + [float("inf")] * len(items)  # best[j]: cost of the first j items
-        cut = [0] * (len(items) + 1)
-        for j in range(1, len(items) + 1):
-            keep = 1
-            for i in range(j - 1, -1, -1):  # the chunk items[i:j]; its width is lengths[i]
-                keep = max(keep, keeps[i])
-                m = j - i
-                if m > 1 and (m * lengths[i] > PREFILL_TOKENS or m * keep * vocab * 4 > CHOICE_LOGITS_BYTES):
-                    break
-                cost = best[i] + FORWARD_TOKENS + m * lengths[i]
-                if cost < best[j]:
-                    best[j], cut[j] = cost, i
-        chunks, j = [], len(items)
-        while j > 0:
-            chunks.append(items[cut[j]:j])
-            j = cut[j]
-        return chunks[::-1]
+        """Split `items` (sorted longest first) into forwards within the token and logits budgets."""
+        spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
+                            [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
+                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
+        return [items[i:j] for i, j in spans]
 
     def _forward_chunk(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
         """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
         dev = self.engine.device
         m = len(chunk)
-        width = max(_suffix_len(it, it.start) for it in chunk)
-        cols_needed = max(len(it.prompt) + _tree_len(it) + 1 for it in chunk)
-        keep = max((_tree_len(it) for it in chunk if isinstance(it, ChoiceRow)), default=0) + 1
-        ids = torch.full((m, width), self.engine.pad_id, dtype=torch.long)
-        pos = torch.zeros((m, width), dtype=torch.long)
-        cols = torch.zeros((m, width), dtype=torch.long)
-        mask = torch.zeros((m, 1, width, cols_needed), dtype=torch.bool)
-        arange = torch.arange(cols_needed)
-        for j, it in enumerate(chunk):
-            plen, start = len(it.prompt), it.start
-            pad = width - _suffix_len(it, start)
-            q = slice(pad, pad + plen - start)  # left padding: every row's last token is at the same place
-            ids[j, q] = torch.tensor(it.prompt[start:])
-            pos[j, q] = cols[j, q] = torch.arange(start, plen)
-            mask[j, 0, q] = arange <= cols[j, q].unsqueeze(-1)
-            at = pad + plen - start
-            col = plen
-            for choice in it.tree:  # side by side after the prompt, each seeing the prompt and itself
-                k = len(choice)
-                ids[j, at : at + k] = torch.tensor(choice)
-                pos[j, at : at + k] = torch.arange(plen, plen + k)
-                cols[j, at : at + k] = torch.arange(col, col + k)
-                mask[j, 0, at : at + k, :plen] = True
-                mask[j, 0, at : at + k, col : col + k] = torch.ones((k, k), dtype=torch.bool).tril()
-                at, col = at + k, col + k
-            cols[j, :pad] = col  # padding writes one junk column past the row's content
-            mask[j, 0, :pad, 0] = True  # and sees column 0: a query that sees nothing would give NaN
-            self.stats["prefill_tokens_requested"] += plen
-            self.stats["prefill_tokens_computed"] += plen - start
-            self.stats["choice_tokens"] += col - plen
+        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.engine.pad_id)
+        width, cols_needed = ids.shape[1], mask.shape[-1]
+        for it in chunk:
+            self.stats["prefill_tokens_requested"] += len(it.prompt)
+            self.stats["prefill_tokens_computed"] += len(it.prompt) - it.start
+            self.stats["choice_tokens"] += tree_len(it)
         self.stats["prefill_tokens_padded"] += m * width
         self.stats["prefill_forwards"] += 1
         first = chunk[0].row
@@ -371,7 +338,7 @@ class Scheduler:
             self._sample([s for _, s in seqs], logits[[j for j, _ in seqs], -1])
         for j, it in enumerate(chunk):
             if isinstance(it, ChoiceRow):
-                self._choice_scores(it, logits[j])
+                choice_scores(it, logits[j])
         self.stats["prefill_seconds"] += time.perf_counter() - t0
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -435,20 +402,6 @@ class Scheduler:
                 picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
                 job.results = [self.engine.choice_generation(job, c) for c in picks]
             resolve_job(job)
-
-    def _choice_scores(self, row: ChoiceRow, logits: torch.Tensor) -> None:
-        """log p(choice | prompt) of the row's choices from its kept logits [keep, vocab].
-
-        The row ends with its choices side by side: kept positions [keep - total, keep); the last
-        prompt token, just before them, predicts every choice's first token."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        keep = logp.shape[0]
-        base = keep - sum(len(c) for c in row.tree)
-        off = 0
-        for c, choice in zip(row.choices, row.tree):
-            preds = [base - 1] + [base + off + i for i in range(len(choice) - 1)]
-            row.job.scores[c] = logp[preds, choice].sum().cpu()
-            off += len(choice)
 
     # ------------------------------------------------------------------ decode
 
@@ -531,16 +484,3 @@ class Scheduler:
         per_col = self.slab.nbytes // max(1, self.slab.rows * self.slab.cols)
         if self.prefix.wants(ids, length * per_col):
             self.prefix.add(ids, self.slab.read_row(row, length))
-
-
-def _suffix_len(item: Seq | ChoiceRow, start: int) -> int:
-    return len(item.prompt) - start + _tree_len(item)
-
-
-def _prompt_cols(item: Seq | ChoiceRow) -> int:
-    """Columns of an item's row that hold its prompt's KV (all but the last for a decode-ready one)."""
-    return item.kv_len if isinstance(item, Seq) else len(item.prompt)
-
-
-def _tree_len(item: Seq | ChoiceRow) -> int:
-    return sum(len(c) for c in item.tree)
