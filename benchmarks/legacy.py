@@ -35,4 +35,8 @@ def legacy_engine(path: str, **kwargs):
 
 def legacy_runner(engine, domain, cfg):
     """A 1c4ff05 RolloutRunner (its batcher calls engine.generate); the sandbox and domains are today's."""
-    return load_legacy("whale/harness/runner.py").RolloutRunner(engine, domain, cfg)
+    from whale.harness import runner  # its grading function: worker processes cannot import the copy
+
+    module = load_legacy("whale/harness/runner.py")
+    module._grade_in_worker = runner._grade_in_worker
+    return module.RolloutRunner(engine, domain, cfg)
