@@ -15,6 +15,7 @@ from whale.domains.chess import ChessDomain
 from whale.domains.chess import data as chess_data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chess"
 # Real Lichess puzzles (CC0) used by name below.
@@ -368,7 +369,7 @@ def test_h0_gives_up_after_second_format_failure():
 # --- through the real runner: sandboxed h0, proxied env, grading in a worker process ---------
 
 
-class MateEngine:
+class MateEngine(QueuedSubmit):
     """Answers every chess prompt with a checkmating move for the FEN it finds (tests only)."""
 
     returns_ids = False

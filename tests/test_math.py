@@ -14,6 +14,7 @@ from whale.domains.math import MathDomain
 from whale.domains.math import data as math_data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_answer, grade_math, last_boxed
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "math"
 
@@ -359,7 +360,7 @@ def test_python_tool_runs_in_the_sandbox():
     assert "Error" in env.python("raise ValueError('boom')")
 
 
-class ArithmeticEngine:
+class ArithmeticEngine(QueuedSubmit):
     """Writes a Python block that evaluates the question's expression, then boxes the tool output."""
 
     returns_ids = False

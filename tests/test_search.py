@@ -21,7 +21,7 @@ import pytest
 
 from whale.config import Config, ConfigError, load_config
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import LLMCall, Trajectory
@@ -101,7 +101,7 @@ class ToyDomain:
         return TOY_H0
 
 
-class TableEngine:
+class TableEngine(QueuedSubmit):
     """Right answer when the prompt says 'digits only' (or among choices), else a useless sentence."""
 
     returns_ids = False
@@ -783,7 +783,7 @@ class FakeDomains:
         return fake_grade
 
 
-class DomainEngine:
+class DomainEngine(QueuedSubmit):
     """Plausible replies per domain: a search then an answer; code then a boxed answer; a move."""
 
     returns_ids = False

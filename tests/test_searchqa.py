@@ -22,6 +22,7 @@ from whale.domains.searchqa import factbook
 from whale.domains.searchqa.grading import (extract_answer, grade_em, grade_judge, grade_subspan,
                                             normalize_answer)
 from whale.domains.searchqa.retrieval import HTTPRetriever, split_contents
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "searchqa"
 
@@ -565,7 +566,7 @@ def test_no_search_variant_never_searches(domain):
 # ---------------------------------------------------------------- end to end through the sandboxed runner
 
 
-class ReaderEngine:
+class ReaderEngine(QueuedSubmit):
     """A scripted 'model' (test double): searches for the question, then answers with the passage text."""
 
     weights_version = "reader"

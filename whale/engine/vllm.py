@@ -57,7 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
+from whale.engine.base import Generation, GenerationRequest, SamplingParams, wait_all, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
@@ -372,8 +372,7 @@ class VLLMEngine:
         return out
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
-        futures = [self.submit(r, sampling) for r in requests]
-        return [f.result() for f in futures]
+        return wait_all([self.submit(r, sampling) for r in requests])
 
     def _prepare(self, req: GenerationRequest, sampling: SamplingParams) -> dict[str, Any] | str:
         """Validate and tokenize one request; an error message (str) when it cannot run."""
