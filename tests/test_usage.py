@@ -11,7 +11,7 @@ import re
 
 from toy import ToyDomain
 from whale.config import Config
-from whale.engine.base import Generation
+from whale.engine.base import Generation, QueuedSubmit
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
 from whale.harness.usage import decide_usage, record_mark
@@ -19,7 +19,7 @@ from whale.search.mutation import LIBRARY
 from whale.weights.rows import rows_from_trajectory
 
 
-class ScriptEngine:
+class ScriptEngine(QueuedSubmit):
     """Replies from `script(request, sample, nth)` (nth: how many times this prompt was asked), with
     one id per character, so the rows show which completions were trained."""
 
