@@ -2,10 +2,11 @@
 
 Three ways to produce the same N completions (same prompts, same per-request seeds, so the same
 tokens come out):
-  raw       engine.generate on all requests, in batches of model.max_batch_size (no sandbox, no RPC)
+  raw       engine.generate on all requests at once (the engine batches continuously; no sandbox, no RPC)
   runner    RolloutRunner with N concurrent sandboxed episodes of a one-call harness
   serial    RolloutRunner with concurrency 1: one episode at a time
-Targets (DESIGN §9): runner/raw >= 0.8 and runner/serial >= 4.
+Targets (DESIGN §9): runner/raw >= 0.8 and runner/serial >= 4. benchmarks/workloads.py measures the
+domains' own multi-call harnesses the same way.
 
     python benchmarks/rollout_throughput.py [--n 32] [--max-tokens 32] [--model smollm2-135m]
 """
@@ -45,7 +46,7 @@ def main() -> None:
 
     cfg = load_config(None, [f"model.name={args.model}", f"runner.concurrency={args.n}",
                              f"domain.splits.test={max(args.n, args.serial_n)}", "domain.splits.val=8",
-                             "domain.splits.harness=8", "domain.splits.weight=64", "runner.batch_window_ms=20"])
+                             "domain.splits.harness=8", "domain.splits.weight=64"])
     domain = load_domain(cfg)
     problems = domain.load_splits()["test"][: args.n]
     engine = make_engine(cfg)
@@ -62,17 +63,14 @@ def main() -> None:
     # warm-up (first-call overheads: kernels, tokenizer caches)
     engine.generate(requests(problems[:2]), sampling)
 
-    bs = cfg.model.max_batch_size
+    engine.load_weights(None, engine.weights_version)  # empty the prefix cache: no run reuses another's KV
     t0 = time.perf_counter()
-    reqs = requests(problems)
-    raw_tokens = 0
-    for i in range(0, len(reqs), bs):
-        for gens in engine.generate(reqs[i:i + bs], sampling):
-            raw_tokens += gens[0].completion_tokens
+    raw_tokens = sum(gens[0].completion_tokens for gens in engine.generate(requests(problems), sampling))
     raw_s = time.perf_counter() - t0
 
     runner = RolloutRunner(engine, domain, cfg)
     runner.run(harness, problems[:2], seed=seed)  # warm-up: grader pool, sandbox
+    engine.load_weights(None, engine.weights_version)
     t0 = time.perf_counter()
     trajs = runner.run(harness, problems, seed=seed)
     runner_s = time.perf_counter() - t0
@@ -84,6 +82,7 @@ def main() -> None:
     serial_cfg.runner.concurrency = 1
     serial = RolloutRunner(engine, domain, serial_cfg)
     sp = problems[: args.serial_n]
+    engine.load_weights(None, engine.weights_version)
     t0 = time.perf_counter()
     serial.run(harness, sp, seed=seed)
     serial_s = time.perf_counter() - t0

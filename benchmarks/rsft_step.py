@@ -8,16 +8,24 @@ bookkeeping. Each variant runs in its own subprocess so that peak RSS is its own
 
     python benchmarks/rsft_step.py            # SmolLM2-135M from ~/.cache/whale/models if present
     python benchmarks/rsft_step.py --tiny     # the tiny test model (seconds)
+    python benchmarks/rsft_step.py --full-bf16 [--tiny]   # cost of fp32 master weights (below)
 
 Prints tokens/s (input tokens through forward+backward; best step) by wall clock and by process
 CPU time (steadier on a shared machine), the ratio trainer/plain (target >= 0.9) and peak memory
 (process max RSS; on CUDA also torch's peak allocated memory).
+
+`--full-bf16` measures what the fp32 master weights of full fine-tuning cost on a bf16 model:
+whale's Trainer against the same Trainer with the masters removed (AdamW on the bf16 weights, the
+code before masters, whose updates at lr 1e-7 round to nothing), in ONE process, their steps
+interleaved so machine load hits both alike. Memory is counted exactly from the tensors
+(parameters, masters, optimizer state), not from RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import resource
 import subprocess
@@ -146,6 +154,71 @@ def run_variant(args) -> dict:
     return out
 
 
+def _without_masters(trainer):
+    """The Trainer as it was before fp32 masters: AdamW over the bf16 parameters themselves."""
+    import torch
+
+    trainer.masters, trainer._low_precision, trainer.optimized = {}, [], trainer.params
+    trainer.optimizer = torch.optim.AdamW(trainer.params, lr=trainer.cfg.lr, weight_decay=trainer.cfg.weight_decay)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    return trainer
+
+
+def _state_bytes(trainer) -> int:
+    tensors = list(trainer.params) + list(trainer.masters.values())
+    tensors += [t for st in trainer.optimizer.state.values() for t in st.values() if hasattr(t, "numel")]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def full_bf16(args) -> None:
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whale.config import WeightConfig
+    from whale.weights.trainer import Trainer
+
+    device = torch.device(args.device)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    cfg = WeightConfig(finetune="full", lr=1e-7, micro_batch_tokens=args.micro_batch_tokens, mini_batch_trajectories=64)
+    rows = make_rows(tok, args.rows, args.tokens)
+    trainers = {}
+    for name in ("masters", "bf16_only"):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(device)
+        trainers[name] = t = Trainer(model, tok, cfg)
+        if name == "bf16_only":
+            _without_masters(t)
+        t.train_step(rows[:2])  # warm-up; creates the optimizer state
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    for rnd in range(args.rounds * args.repeats):
+        for name in (("masters", "bf16_only") if rnd % 2 == 0 else ("bf16_only", "masters")):
+            t0 = time.perf_counter()
+            trainers[name].train_step(rows)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in trainers["masters"].params)
+    result = {"params": n_params}
+    for name, t in trainers.items():
+        b = _state_bytes(t)
+        result[name] = {"median_step_s": statistics.median(times[name]), "steps": len(times[name]),
+                        "state_bytes": b, "bytes_per_param": b / n_params}
+        print(f"{name:10s} median step {result[name]['median_step_s']:.3f} s over {len(times[name])} steps  "
+              f"params+masters+optimizer state {b / 2**20:.1f} MiB ({b / n_params:.1f} bytes/param)")
+    # paired by round (adjacent steps share the machine's load): mean log-ratio with a 95% t interval
+    logs = [math.log(a / b) for a, b in zip(times["masters"], times["bf16_only"])]
+    half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    mean = statistics.fmean(logs)
+    result["time_ratio"] = math.exp(mean)
+    result["time_ratio_95ci"] = [math.exp(mean - half), math.exp(mean + half)]
+    result["memory_ratio"] = result["masters"]["state_bytes"] / result["bf16_only"]["state_bytes"]
+    lo, hi = result["time_ratio_95ci"]
+    print(f"masters / bf16-only: step time x{result['time_ratio']:.2f} (paired 95% CI {lo:.2f}-{hi:.2f}, "
+          f"{len(logs)} pairs), state memory x{result['memory_ratio']:.2f}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="use the tiny random test model")
@@ -157,6 +230,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="processes per variant, order alternating")
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
     ap.add_argument("--variant", choices=["trainer", "plain"], help=argparse.SUPPRESS)
+    ap.add_argument("--full-bf16", action="store_true", help="cost of fp32 masters in full bf16 fine-tuning")
     args = ap.parse_args()
 
     if args.variant:  # child process
@@ -170,6 +244,9 @@ def main() -> None:
             args.model = str(build_tiny_model(tempfile.mkdtemp(prefix="whale-bench-")))
         else:
             args.model = str(DEFAULT_MODEL)
+    if args.full_bf16:
+        full_bf16(args)
+        return
     print(f"model {args.model}  rows {args.rows} x ~{args.tokens} tokens  micro-batch {args.micro_batch_tokens} "
           f"tokens  device {args.device}  repeats {args.repeats}")
     results: dict[str, list[dict]] = {"plain": [], "trainer": []}

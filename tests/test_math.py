@@ -1,5 +1,6 @@
 """Math domain: the boxed/math-verify grader, the generator, splits, real-data loaders, h0."""
 
+import ast
 import pickle
 import re
 import threading
@@ -13,6 +14,7 @@ from whale.domains.math import MathDomain
 from whale.domains.math import data as math_data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_answer, grade_math, last_boxed
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "math"
 
@@ -130,6 +132,87 @@ def test_offline_splits_are_disjoint_deterministic_and_mixed():
     assert [p.id for p in MathDomain(cfg).load_splits()["test"]] != [p.id for p in splits["test"]]
     bigger = MathDomain(make_cfg(weight=1000)).load_splits()
     assert [p.id for p in bigger["test"]] == [p.id for p in splits["test"]]  # test set stable
+
+
+def _arith_expression_key(question):
+    """The test's own canonical form of an arith_* question: parse it, sort the operands of + and *."""
+    text = re.search(r"(?:is|Compute|Calculate(?: the value of)?) (.+?)[?.]$", question).group(1)
+    for word, op in (("plus", "+"), ("minus", "-"), ("times", "*"), ("divided by", "/")):
+        text = text.replace(word, op)
+
+    def canon(node):
+        if isinstance(node, ast.Constant):
+            return str(node.value)
+        parts = [canon(node.left), canon(node.right)]
+        op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
+        return "(" + op.join(sorted(parts) if op in "+*" else parts) + ")"
+
+    return canon(ast.parse(text, mode="eval").body)
+
+
+def _content_key(p):
+    if p.source.startswith("arith_"):
+        return _arith_expression_key(p.question)
+    if p.source == "word":  # the generator's expression, checked against the question and the answer
+        expr = p.meta["expression"]
+        assert sorted(re.findall(r"\d+", expr)) == sorted(re.findall(r"\d+", p.question)), p.question
+        assert eval(expr) == int(p.answer), p.question  # test-only: our own literal expression
+        return expr
+    return math_data.normalize_question(p.question)
+
+
+def test_phrasings_of_one_expression_share_a_key():
+    assert _arith_expression_key("What is 7 * 8?") == _arith_expression_key("Compute 8 times 7.")
+    assert math_data.mul(7, 8) == math_data.mul(8, 7) == _arith_expression_key("Calculate 8 * 7.")
+    assert math_data.add(math_data.mul(3, 4), 5) == math_data.add(5, math_data.mul(4, 3))
+    assert math_data.sub(9, 4) != math_data.sub(4, 9)
+
+
+@pytest.mark.parametrize("seed, weight, harness, val, test, mix", [
+    (0, 512, 64, 64, 64, None),
+    (1, 1000, 16, 16, 32, None),
+    (3, 200, 40, 40, 60, {"arith_mul": 0.5, "word": 0.5}),  # products as numbers and as stories
+    (8, 200, 40, 40, 40, {"arith_mul": 1}),
+])
+def test_no_expression_crosses_splits(seed, weight, harness, val, test, mix):
+    cfg = make_cfg(weight=weight, harness=harness, val=val, test=test, **({"mix": mix} if mix else {}))
+    cfg.seed = seed
+    splits = MathDomain(cfg).load_splits()
+    assert {k: len(v) for k, v in splits.items()} == {"weight": weight, "harness": harness, "val": val, "test": test}
+    owner = {}
+    for name, problems in splits.items():
+        for p in problems:
+            key = _content_key(p)
+            assert owner.setdefault(key, name) == name, f"{key} ({p.question!r}) in {owner[key]} and {name}"
+
+
+def test_more_problems_than_expressions_is_a_clear_error():
+    with pytest.raises(ValueError, match="arith_mul' found only 341 problems with distinct expressions"):
+        MathDomain(make_cfg(weight=400, harness=4, val=4, test=4, mix={"arith_mul": 1})).load_splits()
+
+
+@pytest.mark.parametrize("source, data_path, settings, message", [
+    ("offline", "data/gsm8k.jsonl", {}, "domain.data_path is read only with domain.source: gsm8k"),
+    ("gsm8k", FIXTURES / "gsm8k.jsonl", {"options": {"mix": {"word": 1}}},
+     "domain.options.mix is read only with domain.source: offline"),
+    ("offline", None, {"options": {"eval_path": "aime.jsonl"}}, "domain.options.eval_path is read only with"),
+    ("gsm8k", FIXTURES / "gsm8k.jsonl", {"options": {"eval_source": "aime"}},
+     "domain.options.eval_source is read only with domain.options.eval_path"),
+    ("offline", None, {"corpus_path": "c.jsonl"}, "math: domain.corpus_path is not read"),
+    ("offline", None, {"retriever_url": "http://x"}, "math: domain.retriever_url is not read"),
+    ("offline", None, {"judge_model": "gpt-4o-mini"}, "math: domain.judge_model is not read"),
+    ("offline", None, {"grader": "em"}, "math: domain.grader must be one of"),
+])
+def test_math_settings_the_mode_ignores_are_errors(source, data_path, settings, message):
+    cfg = make_cfg(source, data_path)
+    for key, value in settings.items():
+        setattr(cfg.domain, key, value)
+    with pytest.raises(ValueError, match=message):
+        MathDomain(cfg)
+    cfg = make_cfg()
+    cfg.domain.budget.invalid_moves = 1
+    with pytest.raises(ValueError, match="budget.invalid_moves is not read"):
+        MathDomain(cfg)
 
 
 def test_mix_option_and_clear_errors():
@@ -277,7 +360,7 @@ def test_python_tool_runs_in_the_sandbox():
     assert "Error" in env.python("raise ValueError('boom')")
 
 
-class ArithmeticEngine:
+class ArithmeticEngine(QueuedSubmit):
     """Writes a Python block that evaluates the question's expression, then boxes the tool output."""
 
     returns_ids = False

@@ -1,26 +1,25 @@
-"""End to end: schedules through `whale run`, reports, compare, and resume after SIGKILL."""
+"""End to end: schedules through `whale run`, reports, compare (resume after SIGKILL: test_resume.py)."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from toy import H0
 
 from whale.config import ConfigError, load_config
 from whale.report import compare_runs, write_report
-from whale.run import load_summary, run_experiment
-from whale.store import read_metrics
+from whale.run import run_experiment
+from whale.store import load_summary, read_metrics
 
 TESTS = Path(__file__).resolve().parent
 
 
 def tiny_config(model_dir, **over):
     sets = [
-        f"model.name={model_dir}", "model.max_model_len=480", "domain.module=toy:ParityDomain",
+        # float32: a sample is then a function of its seed, whatever its batch-mates or the prefix
+        # cache held (bf16 rounds batch shapes differently: ~1 in 4 tiny-model samples changed)
+        f"model.name={model_dir}", "model.dtype=float32", "model.max_model_len=480", "domain.module=toy:ParityDomain",
         "domain.splits.weight=16", "domain.splits.harness=4", "domain.splits.val=4", "domain.splits.test=4",
         "domain.budget.seconds=20", "sampling.max_tokens=8", "weight.problems_per_step=4",
         "weight.samples_per_problem=2", "weight.mini_batch_trajectories=4", "harness.candidates_per_iteration=1",
@@ -101,56 +100,7 @@ def test_resume_refuses_changed_config(tiny_model_dir, tmp_path):
         run_experiment(cfg, out=run_dir)
 
 
-def _start(cfg_path, out):
-    return subprocess.Popen([sys.executable, "-m", "whale.cli", "run", str(cfg_path), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
-@pytest.mark.parametrize("kill_after", [
-    "rows/step_0.jsonl",             # rollouts of step 0 persisted: killed in or right after training
-    "harnesses/h0/scores.json",      # in the harness phase, after the re-scoring
-    "evals/eval-c0-h-val.jsonl",     # in the evaluation at the end of the harness phase
-])
-def test_resume_after_sigkill(tiny_model_dir, tmp_path, kill_after):
-    cfg = tiny_config(tiny_model_dir)
-    cfg_path = tmp_path / "cfg.yaml"
-    from whale.config import dump_config
-
-    cfg_path.write_text(dump_config(cfg))
-    out = tmp_path / "run"
-    proc = _start(cfg_path, out)
-    deadline = time.time() + 240
-    while not (out / kill_after).exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.time() < deadline, f"{kill_after} never appeared"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # resume in a fresh process, as a user would
-    res = subprocess.run([sys.executable, "-m", "whale.cli", "run", "--resume", str(out)], capture_output=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr.decode()[-3000:]
-    state = json.loads((out / "state.json").read_text())
-    assert state["phase"] == "done"
-    rows = read_metrics(out)
-    steps = [r for r in rows if r.get("event") == "weight_step"]
-    assert sorted(r["step"] for r in steps) == [0, 1, 2, 3]  # every step exactly once
-    # weight rollouts counted once per step, never twice, whatever the kill interrupted
-    assert state["ledger"]["rollouts"]["weight"] == 4 * 4 * 2
-    evals = [(r["unit"]) for r in rows if r.get("event") == "eval"]
-    assert len(evals) == len(set(evals))
-    # the archive is intact: every candidate has code and meta, h0 scored under base weights
-    for d in (out / "harnesses").iterdir():
-        if d.is_dir() and not d.name.startswith("_"):
-            assert (d / "harness.py").exists() and json.loads((d / "meta.json").read_text())["id"] == d.name
-    versions = {r["weights_version"] for r in steps if r["weights_version"]} | {"base"}
-    scored = json.loads((out / "harnesses" / "h0" / "scores.json").read_text())
-    assert scored and set(scored) <= versions  # h0 re-scored under the weights of its harness phase
-
-
 def test_run_can_start_from_a_user_harness(tiny_model_dir, tmp_path):
-    from toy import H0
-
     path = tmp_path / "mine.py"
     path.write_text(H0.replace("You add numbers.", "You add numbers carefully."))
     run_dir = run_experiment(tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only",
@@ -161,6 +111,6 @@ def test_run_can_start_from_a_user_harness(tiny_model_dir, tmp_path):
     meta = json.loads((run_dir / "harnesses" / "h1" / "meta.json").read_text())
     assert meta["parent"] == "h0" and meta["proposer"] == "user"
     bad = tmp_path / "bad.py"
-    bad.write_text("import socket\ndef run(env, llm):\n    pass\n")
+    bad.write_text("import numpy\ndef run(env, llm):\n    pass\n")  # not an allowed import
     with pytest.raises(ConfigError, match="harness.initial"):
         run_experiment(tiny_config(tiny_model_dir, **{"harness.initial": str(bad)}), out=tmp_path / "b")

@@ -13,16 +13,15 @@ import json
 import os
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from whale.config import Config, ConfigError
+from whale.config import Config, ConfigError, load_config
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import LLMCall, Trajectory
@@ -30,8 +29,12 @@ from whale.search import mutation as M
 from whale.search.archive import Archive, code_hash
 from whale.search.guard import null_probe
 from whale.search.loop import HarnessSearch
-from whale.search.proposers import (AgentCLIProposer, ChatProposer, ChatTools, Proposal, ProposalContext,
-                                    ReplayTransport, build_workspace, file_mode_is_read_only, make_proposer)
+from whale.search.agent import AgentCLIProposer
+from whale.search.chat import ChatProposer, ChatTools
+from whale.search.chat_transport import ReplayTransport
+from whale.search.proposal import Proposal, ProposalContext
+from whale.search.proposers import make_proposer
+from whale.search.workspace import build_workspace, file_mode_is_read_only
 from whale.search.validate import check_prompt_only, static_check, validate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +101,7 @@ class ToyDomain:
         return TOY_H0
 
 
-class TableEngine:
+class TableEngine(QueuedSubmit):
     """Right answer when the prompt says 'digits only' (or among choices), else a useless sentence."""
 
     returns_ids = False
@@ -257,8 +260,6 @@ def test_code_hash_ignores_comments_layout_and_docstrings():
     ("def run(env, llm):\n    return (\n", "syntax error"),
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef go(env, llm):\n    pass\n', "no top-level function run"),
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef run(env):\n    pass\n', "two positional parameters"),
-    ('USER_PROMPT = ""\ndef run(env, llm):\n    pass\n', "SYSTEM_PROMPT"),
-    ('SYSTEM_PROMPT = "a".upper()\nUSER_PROMPT = ""\ndef run(env, llm):\n    pass\n', "string literal"),
     ('import numpy\n' + TOY_H0, "imports 'numpy'"),
     ('from whale.search import archive\n' + TOY_H0, "imports 'whale'"),
     ('from . import x\n' + TOY_H0, "relative import"),
@@ -277,6 +278,19 @@ def test_static_check_accepts_contract_and_allowlisted_package():
     assert static_check("import json, re\nimport collections.abc\n" + TOY_H0, cfg) is None
     cfg.runner.sandbox.extra_packages = ["numpy"]
     assert static_check("import numpy as np\n" + TOY_H0, cfg) is None
+
+
+def test_prompt_constants_are_required_only_by_prompt_only_search():
+    bare = "def run(env, llm):\n    env.submit(str(llm([{'role': 'user', 'content': env.question}])))\n"
+    assert static_check(bare, Config()) is None  # DESIGN §4: run(env, llm) is the whole contract
+    for source, reason in [('USER_PROMPT = ""\n' + bare, "SYSTEM_PROMPT"),
+                           ('SYSTEM_PROMPT = "a".upper()\nUSER_PROMPT = ""\n' + bare, "string literal")]:
+        assert static_check(source, Config()) is None
+        got = static_check(source, Config(), base_source=TOY_H0, prompt_only=True)
+        assert got is not None and reason in got and "prompt-only" in got
+        for key, value in (("harness.prompt_only", "true"), ("schedule.kind", "prompt_only")):
+            got = static_check(source, load_config(None, [f"{key}={value}"]))  # e.g. harness.initial of such a run
+            assert got is not None and reason in got
 
 
 def test_prompt_only_mode_allows_only_prompt_changes():
@@ -417,8 +431,8 @@ def test_scores_are_keyed_by_weights_version(toy):
 def test_proposer_failures_leave_the_run_going(toy):
     cfg, domain, engine, runner, archive, _ = toy
     for proposer, expect in [(CrashingProposer(), "proposer bug"),
-                             (AgentCLIProposer("sleep 100", timeout_s=1), "timed out"),
-                             (AgentCLIProposer("true", timeout_s=30), "wrote no candidates"),
+                             (AgentCLIProposer("sleep 100", timeout_s=1, sandbox="none"), "timed out"),
+                             (AgentCLIProposer("true", timeout_s=30, sandbox="none"), "wrote no candidates"),
                              (ScriptedProposer([], error=None), "no candidates")]:
         started = time.monotonic()
         result = search_for(toy, proposer).run_phase("h0", f"v-{type(proposer).__name__}-{expect}", iterations=2)
@@ -497,17 +511,11 @@ def reloaded(toy):
 
 # ----------------------------------------------------------------------------- agent CLI proposer
 AGENT_SCRIPT = r'''
-import os, sys
-ws = sys.argv[1]
-for root, dirs, files in os.walk(ws):
-    for f in files:
-        print("FILE", os.path.relpath(os.path.join(root, f), ws))
-print("SECRET", os.environ.get("WHALE_TEST_SECRET", "absent"))
-try:
-    open(os.path.join(ws, "archive", "h0", "harness.py"), "w").write("tampered")
-except OSError as e:
-    print("blocked", e)
-open(os.path.join(ws, "candidates", "cand_1.py"), "w").write(open(sys.argv[2]).read())
+cd "$1"
+find . -type f | sed 's/^/FILE /'
+echo "SECRET ${WHALE_TEST_SECRET:-absent}"
+(echo tampered > archive/h0/harness.py) 2>/dev/null || echo "blocked"
+cp "$2" candidates/cand_1.py
 '''
 
 
@@ -517,8 +525,7 @@ def test_agent_cli_workspace_exposes_only_the_archive(toy, tmp_path, monkeypatch
     (archive.root / "h0" / "secret.txt").write_text("not for proposers")
     (archive.run_dir / "eval").mkdir()
     (archive.run_dir / "eval" / "test.jsonl").write_text("{}")
-    script, cand = tmp_path / "agent.py", tmp_path / "cand.py"
-    script.write_text(AGENT_SCRIPT)
+    cand = tmp_path / "cand.py"
     cand.write_text(BETTER.replace("Mechanism: prompt", "Mechanism: prompt\nParent: h0"))
     monkeypatch.setenv("WHALE_TEST_SECRET", "s3cret")
     ws = tmp_path / "ws"
@@ -533,17 +540,18 @@ def test_agent_cli_workspace_exposes_only_the_archive(toy, tmp_path, monkeypatch
     if os.getuid() != 0:
         with pytest.raises(PermissionError):
             (copy / "h0" / "harness.py").write_text("x")
-    # a run of the agent command
-    proposer = AgentCLIProposer(f"{sys.executable} {script} {{workspace}} {cand}", timeout_s=60)
+    # a run of the agent command (no sandbox here: tests/test_proposers.py covers bubblewrap)
+    script = AGENT_SCRIPT.replace('"$1"', "{workspace}").replace('"$2"', str(cand))
+    proposer = AgentCLIProposer(script, timeout_s=60, sandbox="none")
     ctx = ProposalContext(iteration=2, weights_version="base", incoming_id="h0", brief="brief", tag="t1")
     props = proposer.propose(archive, domain, 3, ws, ctx)
     assert len(props) == 1 and props[0].mechanism == "prompt" and props[0].parent == "h0"
     transcript = (archive.root / "_proposals" / "t1" / "transcript.txt").read_text()
-    listed = re.findall(r"^FILE (\S+)", transcript, re.M)
+    listed = re.findall(r"^FILE \./(\S+)", transcript, re.M)
     assert "archive/h0/harness.py" in listed and not any("secret" in f or "eval" in f for f in listed)
     assert "SECRET absent" in transcript and "s3cret" not in transcript
     assert archive.source("h0") == TOY_H0  # whatever it did to its copy
-    assert not (ws / "archive").exists() and proposer.last_error is None
+    assert not ws.exists() and proposer.last_error is None
 
 
 def test_make_proposer_from_config():
@@ -553,6 +561,7 @@ def test_make_proposer_from_config():
     with pytest.raises(ConfigError, match="agent_command"):
         make_proposer(cfg)
     cfg.harness.agent_command, cfg.harness.agent_env = "claude -p {brief}", ["ANTHROPIC_API_KEY"]
+    cfg.harness.agent_sandbox = "none"
     agent = make_proposer(cfg)
     assert isinstance(agent, AgentCLIProposer) and agent.env_vars == ("ANTHROPIC_API_KEY",)
     cfg.harness.proposer = "chat"
@@ -774,7 +783,7 @@ class FakeDomains:
         return fake_grade
 
 
-class DomainEngine:
+class DomainEngine(QueuedSubmit):
     """Plausible replies per domain: a search then an answer; code then a boxed answer; a move."""
 
     returns_ids = False

@@ -22,6 +22,7 @@ from whale.domains.searchqa import factbook
 from whale.domains.searchqa.grading import (extract_answer, grade_em, grade_judge, grade_subspan,
                                             normalize_answer)
 from whale.domains.searchqa.retrieval import HTTPRetriever, split_contents
+from whale.engine.base import QueuedSubmit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "searchqa"
 
@@ -194,7 +195,7 @@ def test_splits_disjoint_deterministic_sized(domain):
     assert {k: [p.id for p in v] for k, v in a.items()} == {k: [p.id for p in v] for k, v in b.items()}
     texts = [p.question for v in a.values() for p in v]
     assert len(texts) == len(set(texts))
-    assert {p.source for p in a["test"]} == set(factbook.TEMPLATES)  # interleaved sources
+    assert {p.source for p in a["test"]} == set(factbook.TEMPLATES)  # whole countries bring every template
     cfg = Config(seed=1)
     assert [p.id for p in SearchQADomain(cfg).load_splits()["test"]] != [p.id for p in a["test"]]
     cfg.domain.splits.test = 64 * 9  # the test split is cut first: bigger weight leaves it alone
@@ -204,6 +205,128 @@ def test_splits_disjoint_deterministic_sized(domain):
     big = Config()
     big.domain.splits.weight = 900
     assert [p.id for p in SearchQADomain(big).load_splits()["test"]] == [p.id for p in a["test"]]
+
+
+def assert_no_key_crosses_splits(splits, keys):
+    """Every content key (country, gold answer) belongs to exactly one split."""
+    owner = {}
+    for name, problems in splits.items():
+        for p in problems:
+            for key in keys(p):
+                assert owner.setdefault(key, name) == name, f"{key!r} is in both {owner[key]} and {name}"
+
+
+@pytest.mark.parametrize("seed, weight, harness, val, test, templates", [
+    (0, 512, 64, 64, 64, None),
+    (1, 900, 16, 16, 32, None),
+    (5, 200, 100, 50, 150, None),
+    (2, 256, 16, 16, 32, ["capital", "currency"]),  # the CPU configs' mix
+    (9, 300, 40, 40, 40, ["twohop_currency", "currency", "capital"]),
+])
+def test_no_country_crosses_splits(seed, weight, harness, val, test, templates):
+    cfg = Config(seed=seed)
+    cfg.domain.splits.weight, cfg.domain.splits.harness = weight, harness
+    cfg.domain.splits.val, cfg.domain.splits.test = val, test
+    if templates:
+        cfg.domain.options = {"templates": templates}
+    splits = SearchQADomain(cfg).load_splits()
+    assert {k: len(v) for k, v in splits.items()} == {"weight": weight, "harness": harness, "val": val, "test": test}
+    # the country code from the id ("currency:fr", "twohop_currency:fr"), not the loader's own key
+    assert_no_key_crosses_splits(splits, lambda p: [p.id.split(":")[1]])
+    assert_no_key_crosses_splits(splits, lambda p: [" ".join(p.question.lower().split())])
+
+
+def test_same_country_questions_share_a_split():
+    by_id = {p.id: p for p in factbook.build_questions()}
+    assert by_id["twohop_currency:ke"].answer == by_id["currency:ke"].answer  # the leak the grouping closes
+    cfg = Config()
+    cfg.domain.splits.weight = len(by_id) - 3 * 64
+    splits = SearchQADomain(cfg).load_splits()
+    where = {p.id: name for name, ps in splits.items() for p in ps}
+    kenya = [i for i in by_id if i.endswith(":ke")]
+    assert len(kenya) >= 4 and len({where.get(i) for i in kenya}) == 1
+
+
+def _rows(tmp_path, name, rows):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _searchr1_rows(n_yes_no=12):
+    rows = [
+        {"id": "s1", "question": "who wrote hamlet", "golden_answers": ["William Shakespeare"], "data_source": "nq"},
+        {"id": "s2", "question": "Which playwright wrote Macbeth?", "golden_answers": ["Shakespeare",
+                                                                                        "William Shakespeare"],
+         "data_source": "hotpotqa"},
+        {"id": "s3", "question": "the author of othello", "golden_answers": ["shakespeare"], "data_source": "nq"},
+        {"id": "s4", "question": "Who wrote Moby-Dick?", "golden_answers": ["Herman Melville"], "data_source": "nq"},
+        {"id": "s5", "question": "Author of Billy Budd?", "golden_answers": ["Herman  Melville."],
+         "data_source": "hotpotqa"},
+    ]
+    rows += [{"id": f"yn{i}", "question": f"Are band {i} and band {i + 100} from the same country?",
+              "golden_answers": ["yes" if i % 2 else "no"], "data_source": "hotpotqa"} for i in range(n_yes_no)]
+    rows += [{"id": f"f{i}", "question": f"filler question number {i}", "golden_answers": [f"answer {i}"],
+              "data_source": "nq" if i % 2 else "hotpotqa"} for i in range(24)]
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_searchr1_questions_sharing_a_gold_answer_share_a_split(tmp_path, seed):
+    cfg = _searchr1_cfg()
+    cfg.seed = seed
+    cfg.domain.data_path = _rows(tmp_path, "train.jsonl", _searchr1_rows())
+    cfg.domain.splits.weight, cfg.domain.splits.harness = 21, 6
+    cfg.domain.splits.val, cfg.domain.splits.test = 6, 8
+    splits = SearchQADomain(cfg).load_splits()
+    assert {k: len(v) for k, v in splits.items()} == {"weight": 21, "harness": 6, "val": 6, "test": 8}
+    assert_no_key_crosses_splits(splits, lambda p: [normalize_answer(a) for a in p.answer
+                                                    if normalize_answer(a) not in ("yes", "no")])
+    yes_no = {name for name, ps in splits.items() for p in ps if p.id.startswith("hotpotqa:yn")}
+    assert len(yes_no) >= 2  # "yes"/"no" name no entity: they do not pull every comparison into one split
+
+
+def test_searchr1_test_path_removes_training_questions_with_a_held_out_answer(tmp_path):
+    cfg = _searchr1_cfg(test_path=_rows(tmp_path, "test.jsonl", [
+        {"id": "t1", "question": "who is the author of moby dick", "golden_answers": ["Herman Melville"],
+         "data_source": "nq"},
+        {"id": "t2", "question": "what is the capital of australia", "golden_answers": ["Canberra"],
+         "data_source": "nq"}]))
+    cfg.domain.data_path = _rows(tmp_path, "train.jsonl", _searchr1_rows(n_yes_no=0))
+    cfg.domain.splits.weight, cfg.domain.splits.harness = 20, 7
+    cfg.domain.splits.val, cfg.domain.splits.test = 1, 1
+    splits = SearchQADomain(cfg).load_splits()
+    train = [p.id for p in splits["weight"] + splits["harness"]]
+    assert len(train) == 27 and "nq:s4" not in train and "hotpotqa:s5" not in train  # Melville stays held out
+    cfg.domain.splits.weight = 21  # 29 rows, 2 linked to the held-out answer: 27 left
+    with pytest.raises(ValueError, match="has 27 distinct questions"):
+        SearchQADomain(cfg).load_splits()
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"data_path": "data/searchr1"}, "domain.data_path is read only with domain.source: searchr1"),
+    ({"judge_model": "gpt-4o-mini"}, "domain.judge_model is read only with domain.grader: judge"),
+    ({"options": {"judge_base_url": "http://x"}}, "domain.options.judge_base_url is read only with domain.grader"),
+    ({"options": {"test_path": "t.jsonl"}}, "domain.options.test_path is read only with domain.source: searchr1"),
+    ({"options": {"retriever_timeout_s": 5}}, "domain.options.retriever_timeout_s is read only with domain.retriever_url"),
+    ({"options": {"templats": ["capital"]}}, r"unknown domain.options \['templats'\]"),
+    ({"retriever_url": "http://127.0.0.1:9/retrieve", "corpus_path": "c.jsonl"},
+     "domain.corpus_path is read only with no domain.retriever_url"),
+    ({"source": "searchr1", "data_path": "d.jsonl", "retriever_url": "http://x", "options": {"templates": ["capital"]}},
+     "domain.options.templates is read only with domain.source: offline"),
+    ({"source": "searchr1", "data_path": "d.jsonl", "retriever_url": "http://x", "options": {"hf_test_split": "test"}},
+     "domain.options.hf_test_split is read only with domain.options.test_path"),
+    ({"budget": {"invalid_moves": 5}}, "domain.budget.invalid_moves is not read"),
+])
+def test_settings_the_mode_ignores_are_errors(settings, message):
+    cfg = Config()
+    for key, value in settings.items():
+        if key == "budget":
+            cfg.domain.budget.invalid_moves = value["invalid_moves"]
+        else:
+            setattr(cfg.domain, key, value)
+    with pytest.raises(ConfigError, match=message):
+        SearchQADomain(cfg)
 
 
 def test_template_subset_option():
@@ -443,7 +566,7 @@ def test_no_search_variant_never_searches(domain):
 # ---------------------------------------------------------------- end to end through the sandboxed runner
 
 
-class ReaderEngine:
+class ReaderEngine(QueuedSubmit):
     """A scripted 'model' (test double): searches for the question, then answers with the passage text."""
 
     weights_version = "reader"

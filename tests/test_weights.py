@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from whale.config import WeightConfig
 from whale.domains.base import Problem
@@ -25,8 +26,9 @@ def load_tiny(path):
 
 
 def call(prompt, completion, finish="stop"):
+    """A recorded call the rows code trains (used=True: which calls are used is tests/test_usage.py's topic)."""
     return LLMCall(messages=[], completion="", finish_reason=finish, prompt_ids=list(prompt),
-                   completion_ids=list(completion))
+                   completion_ids=list(completion), used=True)
 
 
 def traj(calls, reward=1.0, pid="p0", sample=0):
@@ -276,6 +278,92 @@ def test_full_finetune_checkpoint_roundtrip(tiny_model_dir, tmp_path):
     b.load(path)
     for (n, pa), pb in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(pa, pb), n
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def bf16_adamw_steps(model, rows, lr, steps):
+    """The old full fine-tuning: AdamW directly on the bf16 parameters (the control arm below)."""
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        n_loss = sum(sum(r.loss_mask[1:]) for r in rows)
+        for r in rows:
+            ids, mask = torch.tensor([r.input_ids]), torch.tensor([r.loss_mask], dtype=torch.bool)
+            logits = model(input_ids=ids).logits[:, :-1][mask[:, 1:]].float()
+            (torch.nn.functional.cross_entropy(logits, ids[:, 1:][mask[:, 1:]], reduction="sum") / n_loss).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_full_finetune_in_bf16_moves_fp32_masters_at_the_papers_lr(tiny_model_dir):
+    _, tok = load_tiny(tiny_model_dir)
+    rows = random_rows(4, 20, len(tok))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    w0 = dict(model.named_parameters())[Q_PROJ].detach().clone()
+    trainer = Trainer(model, tok, WeightConfig(finetune="full", lr=1e-7))
+    engine = FakeEngine()
+    trainer.attach(engine)
+    assert trainer.masters[Q_PROJ].dtype == torch.float32 and len(trainer.masters) == len(trainer.params)
+    trainer.train_step(rows)
+    served = dict(engine.model.named_parameters())[Q_PROJ]
+    assert served.dtype == torch.bfloat16
+    assert (trainer.masters[Q_PROJ] != w0.float()).float().mean() == 1.0  # every master element moved
+    assert torch.equal(served, trainer.masters[Q_PROJ].to(torch.bfloat16))  # the engine serves the rounded masters
+    for _ in range(29):
+        trainer.train_step(rows)
+    moved = (served != w0).float().mean().item()
+
+    # Control: the old code (AdamW on the bf16 weights). Updates of ~1e-7 round to nothing except on
+    # the few weights smaller than ~3e-5, so after 1 or 30 steps the same 0.2% of elements moved;
+    # with masters 4.4% of the served weights moved after 30 steps (15.6% after 100), measured.
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    bf16_adamw_steps(old, rows, 1e-7, 1)
+    old_moved_1 = (dict(old.named_parameters())[Q_PROJ] != w0).float().mean().item()
+    bf16_adamw_steps(old, rows, 1e-7, 29)
+    old_moved_30 = (dict(old.named_parameters())[Q_PROJ] != w0).float().mean().item()
+    assert old_moved_1 < 0.01 and old_moved_30 < 2 * old_moved_1 + 1e-9  # stuck
+    assert moved > 10 * old_moved_30 and moved > 0.02
+
+
+def test_bf16_full_finetune_resumes_from_saved_masters_and_optimizer_state(tiny_model_dir, tmp_path):
+    _, tok = load_tiny(tiny_model_dir)
+    rows = random_rows(4, 20, len(tok), n_traj=2, seed=3)
+    cfg = WeightConfig(finetune="full", lr=1e-6, mini_batch_trajectories=1)
+    a = Trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), tok, cfg)
+    a.train_step(rows)
+    path = a.save(tmp_path / "w0", "w0")
+    assert (path / "fp32_master" / "master_weights.safetensors").exists()
+    assert not list(path.glob("master*"))  # not a top-level *.safetensors a server would load as weights
+    b = Trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), tok, cfg, seed=5)
+    b.load(path)
+    for name, master in a.masters.items():
+        assert torch.equal(master, b.masters[name]), name
+        assert not torch.equal(master, master.to(torch.bfloat16).float())  # more than the rounded weights
+    for ma, mb in zip(a.optimized, b.optimized):
+        sa, sb = a.optimizer.state[ma], b.optimizer.state[mb]
+        assert sa["exp_avg"].dtype == torch.float32 and torch.equal(sa["exp_avg"], sb["exp_avg"])
+        assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    a.train_step(rows), b.train_step(rows)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb) and torch.equal(a.masters[name], b.masters[name]), name
+
+
+def test_lora_on_a_bf16_model_trains_fp32_adapters_without_masters(tiny_model_dir):
+    _, tok = load_tiny(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    trainer = Trainer(model, tok, WeightConfig(lr=1e-7))
+    lora0, base0 = lora_and_base(trainer.model)
+    assert {p.dtype for p in trainer.params} == {torch.float32}  # peft's autocast_adapter_dtype
+    assert trainer.masters == {}
+    trainer.train_step(random_rows(4, 20, len(tok)))
+    lora1, base1 = lora_and_base(trainer.model)
+    assert all(torch.equal(base0[n], base1[n]) and base1[n].dtype == torch.bfloat16 for n in base0)
+    steps = {n: (lora1[n] - lora0[n]).abs().max().item() for n in lora0}
+    # lora_B starts at zero (so lora_A gets no gradient yet): it moves by Adam's first step, ~lr
+    assert all(0 < steps[n] < 2e-7 for n in steps if "lora_B" in n)
 
 
 def test_lora_targets_language_model_only_on_multimodal_model():

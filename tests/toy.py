@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from whale.domains.base import EpisodeEnv, Problem
-from whale.engine.base import Generation
+from whale.engine.base import Generation, QueuedSubmit
 
 H0 = '''
 SYSTEM_PROMPT = "You add numbers."
@@ -58,7 +58,7 @@ class ToyDomain:
         return H0
 
 
-class ScriptedEngine:
+class ScriptedEngine(QueuedSubmit):
     """Answers 'What is A + B?' correctly when the prompt asks 'correctly', else with A.
 
     Returns fake ids (one id per character) so training-row code paths can be exercised.

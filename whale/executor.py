@@ -9,11 +9,12 @@ What runs where (see docs/scale-out.md):
 
 - driver (this process): the engine object (an in-process hf model that training updates in
   place, or a vLLM client), the search/training loop, and a pump that answers engine calls;
-- `EngineActor` (a Ray actor pinned to the driver node, no CPU): a mailbox. Workers' `generate`
-  calls wait in it; the driver pump takes them, merges the calls of all workers into one
-  `engine.generate` batch and posts the answers back. Why a mailbox and not the engine inside the
-  actor: the hf engine is trained in place in the driver process, so only the driver has the
-  current weights. The actor also holds the driver engine's `weights_version` (refreshed by every
+- `EngineActor` (a Ray actor pinned to the driver node, no CPU): a mailbox. Workers' engine calls
+  wait in it; the driver pump takes them, hands each one to `engine.submit` as it arrives, and
+  posts each answer back the moment its future resolves (from the engine's thread), so one worker's
+  call never waits for another's and the engine's own continuous batching sees every call at once.
+  Why a mailbox and not the engine inside the actor: the hf engine is trained in place in the
+  driver process, so only the driver has the current weights. The actor also holds the driver engine's `weights_version` (refreshed by every
   pump cycle and at the start of every run), which is what workers read;
 - `RunnerActor`s (fractional CPUs, spread over nodes): a domain built from the config
   (`load_domain(cfg)`, or a picklable `domain_factory`), a `RolloutRunner`, sandboxes, graders.
@@ -33,12 +34,13 @@ import functools
 import math
 import os
 import sys
+from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 from urllib.parse import urlparse
 
 from whale.config import Config, ConfigError
 from whale.domains import Domain, Problem, load_domain
-from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams, error_generations, wait_all
 from whale.harness.progress import ProgressBar
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import Trajectory
@@ -165,8 +167,23 @@ class EngineProxy:
             raise RuntimeError(value)
         return value
 
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]:
+        """Posts the call to the mailbox and returns at once; the future resolves when the driver answers."""
+        answer = self.mailbox.call.remote("submit", (request, sampling)).future()
+        result: Future[list[Generation]] = Future()
+
+        def done(f: Future) -> None:
+            try:
+                ok, value = f.result()
+            except Exception as e:  # noqa: BLE001 - the mailbox or the driver went away
+                ok, value = False, f"{type(e).__name__}: {e}"
+            result.set_result(value if ok else error_generations(f"engine error: {value}"))
+
+        answer.add_done_callback(done)
+        return result
+
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
-        return self._call("generate", requests, sampling)
+        return wait_all([self.submit(r, sampling) for r in requests])
 
     def count_tokens(self, messages: list[dict[str, Any]]) -> int:
         return self._call("count_tokens", messages)
@@ -207,12 +224,12 @@ class RunnerActor:
         def stream(traj: Trajectory) -> None:
             sent.append(self.mailbox.episode.remote(shard, traj))
 
-        batches = self.runner.stats["batches"]
+        calls = self.runner.stats["llm_calls"]
         trajs = self.runner.run(harness_source, problems, samples, harness_id=harness_id, seed=seed,
                                 purpose=purpose, on_episode=stream)
         ray.get(sent)
         return {"trajectories": trajs, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "batches": self.runner.stats["batches"] - batches}
+                "llm_calls": self.runner.stats["llm_calls"] - calls}
 
     def close(self) -> None:
         self.runner.close()
@@ -249,7 +266,7 @@ class RayExecutor:
         self.domain_factory = domain_factory or functools.partial(load_domain, cfg)
         self.poll_s = poll_s
         self.journal: Callable[[Trajectory], None] | None = None
-        self.stats: dict[str, Any] = {"batches": 0, "episodes": 0, "engine_calls": 0, "engine_batches": 0}
+        self.stats: dict[str, Any] = {"llm_calls": 0, "episodes": 0, "engine_calls": 0}
         self.last_pids: list[int] = []  # which actor process played each trajectory of the last run
         self.runs = 0
         self.actors: list[Any] = []
@@ -349,7 +366,7 @@ class RayExecutor:
                 calls, episodes = ray.get(self.mailbox.take.remote(self.poll_s if pending else 0,
                                                                    self.engine.weights_version))
                 if calls:
-                    self.mailbox.answer.remote(self._serve(calls))
+                    self._serve(calls)
                 for (run_no, _), traj in episodes:
                     if run_no != self.runs:
                         continue
@@ -372,18 +389,23 @@ class RayExecutor:
             for j, traj in enumerate(out["trajectories"]):
                 pos = idx[j // samples] * samples + j % samples
                 results[pos], pids[pos] = traj, out["pid"]
-            self.stats["batches"] += out["batches"]
+            self.stats["llm_calls"] += out["llm_calls"]
         self.stats["episodes"] += len(results)
         self.last_pids = pids
         return results  # type: ignore[return-value]
 
-    def _serve(self, calls: list[tuple[int, str, tuple]]) -> list[tuple[int, bool, Any]]:
-        """Answer workers' engine calls; all `generate` calls with the same sampling form one batch."""
+    def _serve(self, calls: list[tuple[int, str, tuple]]) -> None:
+        """Hand each worker call to the engine as it arrives; each answer is posted when it is ready."""
         answers: list[tuple[int, bool, Any]] = []
-        groups: dict[SamplingParams, list[tuple[int, list[GenerationRequest]]]] = {}
         for cid, method, args in calls:
-            if method == "generate":
-                groups.setdefault(args[1], []).append((cid, args[0]))
+            if method == "submit":
+                self.stats["engine_calls"] += 1
+                try:
+                    future = self.engine.submit(*args)
+                except Exception as e:  # noqa: BLE001 - reported to the calling worker
+                    answers.append((cid, False, f"{type(e).__name__}: {e}"))
+                    continue
+                future.add_done_callback(functools.partial(self._post, cid))
             elif method == "count_tokens":
                 try:
                     answers.append((cid, True, self.engine.count_tokens(*args)))
@@ -391,20 +413,19 @@ class RayExecutor:
                     answers.append((cid, False, f"{type(e).__name__}: {e}"))
             else:
                 answers.append((cid, False, f"engine method {method!r} is not served to workers"))
-        for sampling, group in groups.items():
-            batch = [r for _, reqs in group for r in reqs]
-            self.stats["engine_calls"] += len(group)
-            self.stats["engine_batches"] += 1
-            try:
-                gens = self.engine.generate(batch, sampling)
-            except Exception as e:  # noqa: BLE001 - the runner turns this into engine-error generations
-                answers.extend((cid, False, f"{type(e).__name__}: {e}") for cid, _ in group)
-                continue
-            start = 0
-            for cid, reqs in group:
-                answers.append((cid, True, gens[start : start + len(reqs)]))
-                start += len(reqs)
-        return answers
+        if answers:
+            self.mailbox.answer.remote(answers)
+
+    def _post(self, cid: int, future: Future) -> None:
+        """Runs in the engine's thread when a call resolves (Ray calls are thread-safe)."""
+        mailbox = self.mailbox
+        if mailbox is None:
+            return
+        try:
+            answer = (cid, True, future.result())
+        except BaseException as e:  # noqa: BLE001 - a cancelled or broken future: the worker gets the error
+            answer = (cid, False, f"{type(e).__name__}: {e}")
+        mailbox.answer.remote([answer])
 
     def close(self) -> None:
         """Stop the actors; end this process's Ray session if this executor began it.

@@ -292,8 +292,20 @@ def write_report(run_dir: str | Path) -> Path:
         lines.append("")
         if has_lineage:
             lines += ["![lineage](lineage.png)", ""]
+    lines += _matrix_section(run_dir)
     (out / "report.md").write_text("\n".join(lines))
     return out / "report.md"
+
+
+def _matrix_section(run_dir: Path) -> list[str]:
+    """The harness x weights matrix (`whale matrix`), when it was built: its tables and heatmap."""
+    md = run_dir / "matrix" / "matrix.md"
+    if not md.is_file():
+        return []
+    body = [line.replace("](matrix.png)", "](../matrix/matrix.png)").replace("## ", "### ", 1)
+            if line.startswith("## ") or "](matrix.png)" in line else line
+            for line in md.read_text().splitlines()[1:]]  # its own title replaced by the section heading
+    return ["## Harness x weights matrix", "", *body]
 
 
 def _fmt(v: Any) -> str:

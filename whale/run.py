@@ -2,19 +2,29 @@
 
 The schedule (schedule.py) decides which phase comes next; this file runs the phases with the
 same runner, engine and archive for every condition (WHALE, weight-only, harness-only,
-prompt-only, stagewise), and keeps the run directory consistent after every unit of work:
+prompt-only, stagewise), and keeps the run directory consistent after every unit of work. Each
+unit's resume logic lives with the module that does the work:
 
-  unit                          | done when                  | after a kill
-  ------------------------------|----------------------------|--------------------------------
-  weight step `w<step>`         | adapter + state saved      | rows on disk: retrain only; else redo
-  harness iteration             | search state saved         | evaluated candidates are reused
-  evaluation `eval-<tag>-<split>`| metrics row + state saved  | redone
+  unit                           | done when                          | after a kill                   | lives in
+  -------------------------------|------------------------------------|--------------------------------|----------------
+  weight step `w<step>`          | checkpoint + state (incl. the next | rows on disk: retrain only;    | weights/rsft.py
+                                 | phase and pending evaluation)      | else redo                      |
+  harness iteration `c<c>-h<i>`  | search state saved                 | evaluated candidates reused;   | search/loop.py
+                                 |                                    | archived proposals reused      |
+  harness phase end `c<c>-accept`| accepted id + next phase + pending | the pending evaluation runs    | run.py
+                                 | evaluation saved together          |                                |
+  evaluation `eval-<tag>-<split>`| metrics row + state saved          | redone (pending marker kept)   | run.py
+  ledger batch                   | fsynced line in ledger.jsonl,      | a batch run again is `redone`  | store.py
+                                 | before the batch's results         |                                |
+
+A phase boundary is one unit: the state that ends a weight step or a harness phase already names
+the next phase and, as `pending_eval`, the evaluation that closes it; that evaluation runs after
+the save, and a resumed run finishes it before anything else. So a kill during a closing
+evaluation never re-enters the phase it closed (docs/design.md, "Resume units").
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +33,22 @@ from rich.console import Console
 from whale.config import Config, ConfigError
 from whale.domains import load_domain
 from whale.engine import make_engine
-from whale.evaluate import evaluate
+from whale.engine.default_model import resolve_model_path
+from whale.evaluate import eval_seed, evaluate
 from whale.executor import make_executor
 from whale.harness.runner import derive_seed
 from whale.schedule import Progress, Schedule
-from whale.store import RunDir, fingerprint_model, fingerprint_problems
+from whale.search.archive import Archive
+from whale.search.loop import HarnessSearch
+from whale.search.proposers import make_proposer
+from whale.search.validate import static_check
+from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary
+from whale.weights.patience import WeightPatience
+from whale.weights.rsft import RSFT, ProblemStream
+from whale.weights.from_disk import training_model
+from whale.weights.trainer import Trainer
+
+__all__ = ["Experiment", "load_summary", "run_experiment"]  # load_summary moved to store.py; kept here for callers
 
 console = Console(stderr=True)
 
@@ -38,87 +59,122 @@ def run_experiment(cfg: Config | None, out: str | Path | None = None, resume: st
         if cfg is not None:
             run.check_config(cfg)
         cfg = saved_cfg
-        if state.get("phase") == "done":
+        if state.get("finished"):
             console.print(f"{run.path} is already finished")
             return run.path
     else:
         assert cfg is not None
         run = RunDir.create(out or Path("runs") / cfg.name, cfg)
         state = {}
-    exp = Experiment(cfg, run, state)
     try:
-        exp.run()
+        exp = Experiment(cfg, run, state)
+        try:
+            exp.run()
+        finally:
+            exp.close()
     finally:
-        exp.close()
+        run.close()  # the trackers
     return run.path
 
 
 class Experiment:
-    def __init__(self, cfg: Config, run: RunDir, state: dict[str, Any]):
-        from whale.search.archive import Archive
+    """One run. Construction takes these steps, in order, each a method below: the data (refused
+    if it changed since the run started), the engine (and the model's fingerprint), the runner,
+    the archive (h0 and a user's initial harness), the weight-phase state (problem stream,
+    patience), the schedule, the state's defaults, and the weights state.json names."""
 
+    def __init__(self, cfg: Config, run: RunDir, state: dict[str, Any]):
         self.cfg = cfg
         self.run_dir = run
         self.state = state
-        self.domain = load_domain(cfg)
-        self.splits = self.domain.load_splits()
-        prints = fingerprint_problems(self.splits)
-        if state.get("data_fingerprints") and state["data_fingerprints"] != prints:
+        self.unit = "start"
+        self.domain, self.splits = self._load_data()
+        self.engine = self._start_engine()
+        self.runner = self._make_runner()
+        self.archive = self._open_archive()
+        self.stream, self.patience = self._weight_phase_state()
+        self.schedule = self._make_schedule()
+        self.progress = Progress(**state.get("progress", {}))
+        self._state_defaults()
+        self.trainer: Trainer | None = None
+        self._batches: dict[str, int] = {}  # search ledger keys seen in this process (see _count_search)
+        if state["weights_version"] != "base":
+            self._restore_weights(state["weights_version"])
+
+    # ------------------------------------------------------------------ construction
+    def _load_data(self) -> tuple[Any, dict[str, list]]:
+        domain = load_domain(self.cfg)
+        splits = domain.load_splits()
+        prints = fingerprint_problems(splits)
+        if self.state.get("data_fingerprints") and self.state["data_fingerprints"] != prints:
             raise ConfigError("the data splits differ from those the run started with (data files or "
                               "loaders changed); start a new run")
         self.state.setdefault("data_fingerprints", prints)
-        self.engine = make_engine(cfg)
-        if "model_fingerprint" not in state:
-            from whale.engine.default_model import resolve_model_path
+        return domain, splits
 
-            local = cfg.model.backend in ("hf", "vllm")
-            state["model_fingerprint"] = fingerprint_model(resolve_model_path(cfg.model.name)) if local else {}
-        self.runner = make_executor(cfg, self.engine, self.domain)
-        self.unit = "start"
-        self.runner.journal = lambda t: self.run_dir.journal(self.unit, t)
-        self.archive = Archive(run.path)
-        if "h0" not in self.archive.ids():
-            self.archive.add_candidate(self.domain.base_harness(), parent=None, proposer="base",
-                                       hypothesis="the domain's base harness h0", mechanism="base")
-            if cfg.harness.initial:
-                src_path = Path(cfg.harness.initial)
-                if not src_path.is_file():
-                    raise ConfigError(f"harness.initial: no such file {src_path}")
-                from whale.search.validate import static_check
+    def _start_engine(self):
+        engine = make_engine(self.cfg)
+        if "model_fingerprint" not in self.state:
+            local = self.cfg.model.backend in ("hf", "vllm")
+            self.state["model_fingerprint"] = fingerprint_model(resolve_model_path(self.cfg.model.name)) if local else {}
+        return engine
 
-                problem = static_check(src_path.read_text(), cfg)
-                if problem:
-                    raise ConfigError(f"harness.initial {src_path}: {problem}")
-                hid = self.archive.add_candidate(src_path.read_text(), parent="h0", proposer="user",
-                                                 hypothesis=f"the user's starting harness {src_path.name}",
-                                                 mechanism="user")
-                self.archive.update_meta(hid, status="valid")
-                state["harness_id"] = hid
-        from whale.weights.patience import WeightPatience
-        from whale.weights.rsft import ProblemStream
+    def _make_runner(self):
+        runner = make_executor(self.cfg, self.engine, self.domain)
+        runner.journal = lambda t: self.run_dir.journal(self.unit, t)
+        return runner
 
-        self.stream = ProblemStream(self.splits["weight"], cfg.weight.problems_per_step, seed=cfg.seed)
-        if state.get("stream"):
-            self.stream.load_state_dict(state["stream"])
+    def _open_archive(self) -> Archive:
+        """The archive with h0, and the user's `harness.initial` (a child of h0) as the starting
+        harness. Idempotent: a kill before the first state save finds them on disk and reuses them."""
+        archive = Archive(self.run_dir.path)
+        if "h0" not in archive.ids():
+            archive.add_candidate(self.domain.base_harness(), parent=None, proposer="base",
+                                  hypothesis="the domain's base harness h0", mechanism="base")
+        initial = self.cfg.harness.initial
+        if initial and "harness_id" not in self.state:
+            users = [m["id"] for m in archive.all_meta() if m["proposer"] == "user"]
+            self.state["harness_id"] = users[0] if users else self._add_initial_harness(archive, Path(initial))
+        return archive
+
+    def _add_initial_harness(self, archive: Archive, src_path: Path) -> str:
+        if not src_path.is_file():
+            raise ConfigError(f"harness.initial: no such file {src_path}")
+        source = src_path.read_text()
+        problem = static_check(source, self.cfg)
+        if problem:
+            raise ConfigError(f"harness.initial {src_path}: {problem}")
+        hid = archive.add_candidate(source, parent="h0", proposer="user",
+                                    hypothesis=f"the user's starting harness {src_path.name}", mechanism="user")
+        archive.update_meta(hid, status="valid")
+        return hid
+
+    def _weight_phase_state(self) -> tuple[ProblemStream, WeightPatience]:
+        cfg = self.cfg
+        stream = ProblemStream(self.splits["weight"], cfg.weight.problems_per_step, seed=cfg.seed)
+        if self.state.get("stream"):
+            stream.load_state_dict(self.state["stream"])
         p = cfg.schedule.weight_patience
-        self.patience = WeightPatience(p.window, p.burn_in, p.patience)
-        if state.get("patience"):
-            self.patience.load_state_dict(state["patience"])
-        h = cfg.harness
+        patience = WeightPatience(p.window, p.burn_in, p.patience)
+        if self.state.get("patience"):
+            patience.load_state_dict(self.state["patience"])
+        return stream, patience
+
+    def _make_schedule(self) -> Schedule:
+        h, w = self.cfg.harness, self.cfg.weight
         iteration_cost = h.candidates_per_iteration * len(self.splits["harness"]) * h.samples_per_example
-        step_cost = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
         confirm_cost = (h.confirm_top + 1) * len(self.splits["harness"]) * h.confirm_samples if h.confirm_top else 0
-        self.schedule = Schedule(cfg, self.stream.steps_per_epoch, iteration_cost, step_cost, confirm_cost)
-        self.progress = Progress(**state.get("progress", {}))
-        self.trainer = None
-        state.setdefault("phase", self.schedule.first_phase())
-        state.setdefault("cycle", 0)
-        state.setdefault("harness_id", "h0")
-        state.setdefault("weights_version", "base")
-        state.setdefault("evals_done", [])
-        state.setdefault("weights_on_disk", [])
-        if state["weights_version"] != "base":
-            self._restore_weights(state["weights_version"])
+        return Schedule(self.cfg, self.stream.steps_per_epoch, iteration_cost, w.problems_per_step * w.samples_per_problem,
+                        confirm_cost)
+
+    def _state_defaults(self) -> None:
+        st = self.state
+        st.setdefault("phase", self.schedule.first_phase())
+        st.setdefault("cycle", 0)
+        st.setdefault("harness_id", "h0")
+        st.setdefault("weights_version", "base")
+        st.setdefault("evals_done", [])
+        st.setdefault("pending_eval", self._eval_marker("initial"))
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
@@ -126,20 +182,21 @@ class Experiment:
         self.engine.close()
 
     def save(self) -> None:
-        self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
-        self.state["progress"] = self.progress.__dict__
+        self._sync_progress()
+        self.state["progress"] = dict(self.progress.__dict__)
         self.state["stream"] = self.stream.state_dict()
         self.state["patience"] = self.patience.state_dict()
         self.run_dir.save_state(self.state)
+
+    def _sync_progress(self) -> None:
+        """The schedule decides on the ledger as it is now (ledger.jsonl is ahead of state.json)."""
+        self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
 
     def log(self, event: str, **row: Any) -> None:
         self.run_dir.log({"unit": self.unit, "event": event, "phase": self.state["phase"],
                           "cycle": self.state["cycle"], "step": self.progress.weight_steps,
                           "harness": self.state["harness_id"], "weights_version": self.state["weights_version"],
                           **row})
-
-    def ledger_add(self, purpose: str, trajectories: list) -> None:
-        self.run_dir.ledger.add_trajectories(purpose, trajectories)
 
     def harness_source(self, cid: str) -> str:
         return self.archive.source(cid)
@@ -151,7 +208,7 @@ class Experiment:
                       f"{' (adaptive)' if self.cfg.schedule.adaptive else ''}, domain {self.domain.name}, "
                       f"run dir {self.run_dir.path}")
         self.save()
-        self.maybe_evaluate("initial")
+        self.finish_pending_eval()  # the initial evaluation, or the one a kill cut short
         while st["phase"] != "done":
             if st["phase"] == "weight":
                 self.weight_phase()
@@ -159,55 +216,77 @@ class Experiment:
                 self.harness_phase()
             else:
                 raise ValueError(f"corrupt state.json: unknown phase {st['phase']!r}")
-        self.maybe_evaluate("final")
         self.unit = "end"
         self.log("run_end", seconds=round(self.run_dir.elapsed(), 1))
+        st["finished"] = True
         self.save()
 
+    def _end_phase(self, tag: str, next_phase: str) -> None:
+        """Mark a phase boundary in the state (the caller saves it as one unit with the phase's last
+        work): the next phase, and the evaluation that closes this one as `pending_eval`."""
+        st = self.state
+        if self.cfg.eval.at_phase_ends:
+            st["pending_eval"] = self._eval_marker(tag)
+        elif next_phase == "done":
+            st["pending_eval"] = self._eval_marker("final")
+        st["phase"] = next_phase
+
     # ------------------------------------------------------------------ evaluation
-    def maybe_evaluate(self, tag: str) -> None:
-        pair = [self.state["harness_id"], self.state["weights_version"]]
+    def _eval_marker(self, tag: str) -> dict[str, Any]:
+        """A pending evaluation; it keeps the phase and cycle it closes for its metrics rows."""
+        return {"tag": tag, "phase": self.state["phase"], "cycle": self.state["cycle"]}
+
+    def finish_pending_eval(self) -> None:
+        pending = self.state.get("pending_eval")
+        if not pending:
+            return
+        self.evaluate_pair(pending)
+        self.state["pending_eval"] = None
+        self.save()
+
+    def evaluate_pair(self, pending: dict[str, Any]) -> None:
+        """Evaluate the current (harness, weights) on every eval split; one unit per split."""
+        st, tag = self.state, pending["tag"]
+        hid, version = st["harness_id"], st["weights_version"]
         splits = self.cfg.eval.splits
         if tag not in ("initial", "final") and self.cfg.eval.intermediate_splits is not None:
             splits = self.cfg.eval.intermediate_splits
-        last = self.state.setdefault("last_eval_pairs", {})
+        last = st.setdefault("last_eval_pairs", {})
         for split in splits:
             unit = f"eval-{tag}-{split}"
-            if unit in self.state["evals_done"] or (tag != "initial" and last.get(split) == pair):
+            if unit in st["evals_done"] or (tag != "initial" and last.get(split) == [hid, version]):
                 continue  # done, or the split's last evaluation measured this very (harness, weights) pair
                 # with the same seeds (a phase that changed nothing): it would only repeat that result
             self.unit = unit
             problems = self.splits[split][: self.cfg.eval.limit or None]
-            hid, version = self.state["harness_id"], self.state["weights_version"]
             result, trajs = evaluate(self.runner, self.harness_source(hid), problems, self.cfg.eval.k, split=split,
-                                     harness_id=hid, seed=derive_seed(self.cfg.seed, "eval", split),
+                                     harness_id=hid, seed=eval_seed(self.cfg.seed, split),
                                      progress=f"eval {split} ({hid}, {version})",
                                      traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
-            self.ledger_add("eval", trajs)
-            self.log("eval", split=split, tag=tag, **{k: v for k, v in result.to_json().items()
-                                                     if k not in ("split", "harness_id", "weights_version")} | {"per_problem": result.per_problem})
+            self.run_dir.count_trajectories(unit, "eval", trajs)
+            summary = {k: v for k, v in result.to_json().items() if k not in ("split", "harness_id", "weights_version")}
+            self.log("eval", split=split, tag=tag, phase=pending["phase"], cycle=pending["cycle"], **summary,
+                     per_problem=result.per_problem)
             console.print(f"  {unit}: mean@{result.k} {result.mean_at_k:.3f} "
                           f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}] pass@{result.k} {result.pass_at_k:.3f}")
             if split == "val":
-                best = self.state.get("val_best")
+                best = st.get("val_best")
                 if best is None or result.mean_at_k > best["mean_at_k"]:
-                    self.state["val_best"] = {"mean_at_k": result.mean_at_k, "unit": unit, "tag": tag,
-                                              "harness_id": hid, "weights_version": version}
-            self.state["evals_done"].append(unit)
-            self.state["last_eval_pair"] = last[split] = pair
-            self.prune_weights()
+                    st["val_best"] = {"mean_at_k": result.mean_at_k, "unit": unit, "tag": tag,
+                                      "harness_id": hid, "weights_version": version}
+            st["evals_done"].append(unit)
+            st["last_eval_pair"] = last[split] = [hid, version]
             self.save()
+            self.prune_weights()  # a new val-best may free the old one
 
-    # ------------------------------------------------------------------ weight phase
-    def _ensure_trainer(self):
+    # ------------------------------------------------------------------ weights on disk
+    def _ensure_trainer(self) -> Trainer:
         if self.trainer is None:
-            from whale.weights.trainer import Trainer
-
             sync = self.engine.weight_sync
             if sync == "in_place":  # hf: train the served model object itself, no copy
                 model, tokenizer = self.engine.model, self.engine.tokenizer
             elif sync == "from_disk":  # vLLM: train an hf copy; RSFT saves adapters, the server loads them
-                model, tokenizer = _training_model(self.cfg)
+                model, tokenizer = training_model(self.cfg)
             else:
                 raise ConfigError(f"model.backend {self.cfg.model.backend!r} serves inference only; "
                                   "weight phases need backend hf or vllm")
@@ -218,7 +297,7 @@ class Experiment:
         return self.trainer
 
     def _restore_weights(self, version: str) -> None:
-        path = self.run_dir.path / "weights" / version
+        path = self.run_dir.weights_path(version)
         if not path.exists():
             raise ConfigError(f"state.json names weights {version} but {path} is missing")
         trainer = self._ensure_trainer()
@@ -226,101 +305,84 @@ class Experiment:
         in_place = self.engine.weight_sync == "in_place"
         self.engine.load_weights(None if in_place else str(path), version)
 
-    def weight_phase(self) -> None:
-        from whale.weights.rsft import RSFT
-
-        st = self.state
-        trainer = self._ensure_trainer()
-        hid = st["harness_id"]
-        rsft = RSFT(self.runner, trainer, self.engine, self.cfg.weight, self.stream, self.harness_source(hid), hid,
-                    self.run_dir.path / "rows", weights_dir=self.run_dir.path / "weights",
-                    on_rollouts=self._on_weight_rollouts)
-        if self.progress.phase_steps == 0:
-            self.patience = type(self.patience)(self.patience.window, self.patience.burn_in, self.patience.patience)
-            self.progress.phase_accept_rates, self.progress.phase_start_rollouts = [], self.run_dir.ledger.budget_rollouts
-            console.print(f"[cyan]weight phase[/] (cycle {st['cycle']}, harness {hid})")
-        while True:
-            step = self.progress.weight_steps
-            self.unit = f"w{step}"
-            self._stream_before = self.stream.state_dict()
-            result = rsft.step(step, seed=derive_seed(self.cfg.seed, "weight", step))
-            if result.resumed:
-                console.print(f"  step {step}: resumed from saved rows (rollouts not redone)")
-            self.progress.weight_steps += 1
-            self.progress.phase_steps += 1
-            self.patience.update(result.accept_rate)
-            self.progress.phase_accept_rates.append(result.accept_rate)
-            self.progress.patience_stop = self.patience.should_stop()
-            if result.weights_version:
-                st["weights_version"] = result.weights_version
-                self._save_weights(result.weights_version)
-            self.log("weight_step", **result.to_json())
-            console.print(f"  step {step}: accept {result.accept_rate:.3f} ({result.accepted}/{result.rollouts}), "
-                          f"rows {result.rows}, loss {result.loss if result.loss is None else round(result.loss, 4)}, "
-                          f"gen {result.gen_seconds:.0f}s train {result.train_seconds:.0f}s  ({result.reason})")
-            self.save()
-            every = self.cfg.eval.every_steps
-            phase_over = self.schedule.weight_phase_over(self.progress)
-            if every and self.progress.weight_steps % every == 0 and not phase_over:
-                self.maybe_evaluate(f"w{self.progress.weight_steps}")
-            if phase_over:
-                self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
-                self.log("phase_gain", **self.schedule.record_weight_phase(self.progress))
-                nxt = self.schedule.after_weight_phase(self.progress)
-                if nxt == "weight_more":
-                    continue
-                if self.cfg.eval.at_phase_ends:
-                    self.maybe_evaluate(f"w{self.progress.weight_steps}")
-                st["phase"] = nxt
-                self.progress.phase_steps = 0
-                self.save()
-                return
-
-    def _on_weight_rollouts(self, meta: dict[str, Any]) -> None:
-        """Rows are on disk: count the rollouts now, with the stream state from before the step,
-        so a kill during training resumes into the same step without counting them twice."""
-        led = self.run_dir.ledger
-        led.rollouts["weight"] += int(meta["rollouts"])
-        led.llm_calls += int(meta.get("llm_calls", 0))
-        led.prompt_tokens += int(meta.get("prompt_tokens", 0))
-        led.completion_tokens += int(meta.get("completion_tokens", 0))
-        stream_after = self.stream.state_dict()
-        self.stream.load_state_dict(self._stream_before)
-        self.save()
-        self.stream.load_state_dict(stream_after)
-
-    def _save_weights(self, version: str) -> None:
-        path = self.run_dir.path / "weights" / version
-        if not path.exists():
-            self.trainer.save(path, version)
-        if version not in self.state["weights_on_disk"]:
-            self.state["weights_on_disk"].append(version)
-        self.prune_weights()
-
-    def prune_weights(self) -> None:
-        """Keep only the versions the run still needs: current, best on val, the last few."""
-        keep = {self.state["weights_version"]}
+    def weights_needed(self) -> set[str]:
+        """Versions kept on disk: the current one (resume loads it), the val-best (selection), each
+        weight phase's end (the columns of `whale matrix`);
+        with LoRA also the last `weight.keep_versions` adapters (small). Full fine-tuning keeps no
+        others: each of its checkpoints holds the whole model and the optimizer state."""
+        keep = {self.state["weights_version"], *self.state.get("phase_end_weights", [])}
         if self.state.get("val_best"):
             keep.add(self.state["val_best"]["weights_version"])
-        on_disk = self.state["weights_on_disk"]
-        keep.update(on_disk[-self.cfg.weight.keep_versions:])
-        for v in list(on_disk):
-            if v not in keep:
-                shutil.rmtree(self.run_dir.path / "weights" / v, ignore_errors=True)
-                on_disk.remove(v)
+        n = self.cfg.weight.keep_versions
+        if self.cfg.weight.finetune == "lora" and n > 0:
+            keep.update(self.run_dir.weights_on_disk()[-n:])
+        return keep
+
+    def prune_weights(self) -> None:
+        """Called only after a save, so state.json already names every version still needed."""
+        self.run_dir.prune_weights(self.weights_needed())
+
+    # ------------------------------------------------------------------ weight phase
+    def weight_phase(self) -> None:
+        st = self.state
+        hid = st["harness_id"]
+        rsft = RSFT(self.runner, self._ensure_trainer(), self.engine, self.cfg.weight, self.stream,
+                    self.harness_source(hid), hid, self.run_dir.path / "rows",
+                    weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts)
+        if self.progress.phase_steps == 0:
+            self.patience.reset()
+            self.progress.phase_accept_rates, self.progress.phase_start_rollouts = [], self.run_dir.ledger.budget_rollouts
+            console.print(f"[cyan]weight phase[/] (cycle {st['cycle']}, harness {hid})")
+        while st["phase"] == "weight":
+            self._weight_step(rsft)
+            self.save()  # the step, its checkpoint's name, the next phase and a pending evaluation: one unit
+            self.prune_weights()
+            self.finish_pending_eval()
+
+    def _weight_step(self, rsft: RSFT) -> None:
+        st, p = self.state, self.progress
+        step = p.weight_steps
+        self.unit = f"w{step}"
+        result = rsft.step(step, seed=derive_seed(self.cfg.seed, "weight", step))
+        if result.resumed:
+            console.print(f"  step {step}: resumed from saved rows (rollouts not redone)")
+        p.weight_steps += 1
+        p.phase_steps += 1
+        self.patience.update(result.accept_rate)
+        p.phase_accept_rates.append(result.accept_rate)
+        p.patience_stop = self.patience.should_stop()
+        if result.weights_version:
+            st["weights_version"] = result.weights_version
+        self.log("weight_step", **result.to_json())
+        console.print(f"  step {step}: accept {result.accept_rate:.3f} ({result.accepted}/{result.rollouts}), "
+                      f"rows {result.rows}, loss {result.loss if result.loss is None else round(result.loss, 4)}, "
+                      f"gen {result.gen_seconds:.0f}s train {result.train_seconds:.0f}s  ({result.reason})")
+        self._sync_progress()
+        if self.schedule.weight_phase_over(p):
+            self.log("phase_gain", **self.schedule.record_weight_phase(p))
+            nxt = self.schedule.after_weight_phase(p)
+            if nxt != "weight_more":
+                if st["weights_version"] != "base" and st["weights_version"] not in st.setdefault("phase_end_weights", []):
+                    st["phase_end_weights"].append(st["weights_version"])  # kept for `whale matrix`
+                self._end_phase(f"w{p.weight_steps}", nxt)
+                p.phase_steps = 0
+        elif self.cfg.eval.every_steps and p.weight_steps % self.cfg.eval.every_steps == 0:
+            st["pending_eval"] = self._eval_marker(f"w{p.weight_steps}")
+
+    def _count_weight_rollouts(self, meta: dict[str, Any]) -> None:
+        self.run_dir.count(f"w{meta['step']}", "weight", meta["rollouts"], llm_calls=meta["llm_calls"],
+                           prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"])
 
     # ------------------------------------------------------------------ harness phase
     def harness_phase(self) -> None:
-        from whale.search.loop import HarnessSearch
-        from whale.search.proposers import make_proposer
-
         st = self.state
         cfg = self.cfg
         if self.schedule.prompt_only and not cfg.harness.prompt_only:
             cfg = cfg.model_copy(deep=True)
             cfg.harness.prompt_only = True
         search = HarnessSearch(cfg, self.domain, self.runner, self.archive, make_proposer(cfg),
-                               ledger_callback=self._search_ledger, splits=self.splits)
+                               ledger_callback=lambda purpose, trajs: self._count_search(search, purpose, trajs),
+                               splits=self.splits)
         if st.get("search"):
             search.load_state_dict(st["search"])
         else:
@@ -334,14 +396,14 @@ class Experiment:
             self.progress.harness_iterations += 1 if row.get("event") == "iteration_end" else 0
             if row.get("event") == "proposer_usage":
                 usage = row.get("usage") or {}
-                self.run_dir.ledger.proposer_seconds += float(usage.get("seconds", 0.0))
-                self.run_dir.ledger.proposer_tokens += int(usage.get("tokens", 0))
+                self.run_dir.ledger.add_proposer(f"{self.unit}:proposer", float(usage.get("seconds", 0.0)),
+                                                 int(usage.get("tokens", 0)))
             self.log(row.get("event", "harness"), **{k: v for k, v in row.items() if k != "event"})
             st["search"] = search.state_dict()
             self.save()
 
         def should_stop() -> bool:
-            self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
+            self._sync_progress()
             return self.schedule.harness_phase_over(self.progress, 0)
 
         self.unit = f"c{st['cycle']}-h"
@@ -352,56 +414,19 @@ class Experiment:
         self.progress.harness_phases += 1
         self.unit = f"c{st['cycle']}-accept"
         self.log("harness_accepted", accepted=result.accepted_id, iterations=result.iterations, gain=result.gain)
-        self.progress.budget_rollouts = self.run_dir.ledger.budget_rollouts
-        self.log("phase_gain", **self.schedule.record_harness_phase(self.progress, result.gain))
         console.print(f"  accepted harness {result.accepted_id} after {result.iterations} iterations")
-        if self.cfg.eval.at_phase_ends:
-            self.maybe_evaluate(f"c{st['cycle']}-h")
-        st["phase"] = self.schedule.after_harness_phase(self.progress)
+        self._sync_progress()
+        self.log("phase_gain", **self.schedule.record_harness_phase(self.progress, result.gain))
+        self._end_phase(f"c{st['cycle']}-h", self.schedule.after_harness_phase(self.progress))
         st["cycle"] += 1
-        self.save()
+        self.save()  # the accepted harness, the next phase and the pending evaluation: one unit
+        self.finish_pending_eval()
 
-    def _search_ledger(self, purpose: str, trajectories: list) -> None:
-        self.ledger_add(purpose, trajectories)
-
-
-def _training_model(cfg: Config):
-    """The model the trainer updates when the engine is a separate server (vLLM)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from whale.engine.default_model import resolve_model_path
-
-    path = str(resolve_model_path(cfg.model.name))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        cfg.model.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    return model, AutoTokenizer.from_pretrained(path)
-
-
-def load_summary(run_dir: str | Path) -> dict[str, Any]:
-    """Final / best / val-selected test mean@k of a run, from its metrics (used by report and compare)."""
-    from whale.store import read_metrics
-
-    rows = read_metrics(run_dir)
-    evals = [r for r in rows if r.get("event") == "eval"]
-    test = [r for r in evals if r.get("split") == "test"]
-    val = [r for r in evals if r.get("split") == "val"]
-    out: dict[str, Any] = {"initial": None, "final": None, "best": None, "val_selected": None}
-    if test:
-        out["initial"] = test[0]["mean_at_k"]
-        out["final"] = test[-1]["mean_at_k"]
-        out["best"] = max(r["mean_at_k"] for r in test)
-    if val and test:
-        best_val = max(val, key=lambda r: r["mean_at_k"])
-        pair = (best_val.get("harness"), best_val.get("weights_version"))  # test may be measured at other tags
-        same = [r for r in test if r.get("tag") == best_val.get("tag") or (r.get("harness"), r.get("weights_version")) == pair]
-        out["val_selected"] = same[-1]["mean_at_k"] if same else None
-        out["val_selected_tag"] = best_val.get("tag")
-    state_path = Path(run_dir) / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    out["ledger"] = state.get("ledger", {})
-    out["seconds"] = state.get("elapsed_s")
-    out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")
-    return out
+    def _count_search(self, search: HarnessSearch, purpose: str, trajectories: list) -> None:
+        """Key a search batch by the candidate and weights it measured, in this harness phase; the
+        n-th batch of the same key (a null probe has two) gets `#n`. Work redone after a kill
+        repeats its keys from #0, so the ledger records it as redone."""
+        base = f"c{self.state['cycle']}:{purpose}:{search.subject}@{self.state['weights_version']}"
+        n = self._batches.get(base, 0)
+        self._batches[base] = n + 1
+        self.run_dir.count_trajectories(f"{base}#{n}", purpose, trajectories)

@@ -1,11 +1,15 @@
 """The run directory (DESIGN §5): resolved config, atomic state, metrics, the rollout ledger.
 
-Resume rests on three rules:
+Resume rests on four rules:
 - a *unit* of work (one weight step, one harness iteration, one evaluation) writes its metrics rows
   first and then the state that marks it done, atomically (tmp file + os.replace);
 - metrics rows carry their unit id, and readers keep the last copy of each (unit, event, metric, split)
   row, so a unit redone after a kill does not count twice;
-- every finished episode of the unit in flight is journaled to `inflight.jsonl`; after a kill,
+- rollouts are counted in `ledger.jsonl`, one fsynced line per batch, keyed by the work that ran
+  them, *before* that work's results are written. The ledger is therefore never behind what is on
+  disk; a batch whose key is already there ran again because a kill lost its results, and goes to
+  `redone` instead of its purpose, so budgets match those of an unkilled run;
+- every finished episode of a batch not yet counted is journaled to `inflight.jsonl`; after a kill,
   those are the rollouts that must be redone, and the ledger records them as `redone`.
 """
 
@@ -15,6 +19,8 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,15 +28,31 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from whale.config import Config, ConfigError, config_from_dict, dump_config
-
 import yaml
+
+from whale.config import Config, ConfigError, config_from_dict, dump_config
+from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
 # The re-scoring of the incoming harness is the first harness iteration (DESIGN §11), so it counts;
 # it keeps its own line in the ledger so reports can show it apart.
 BUDGET_PURPOSES = ("weight", "harness", "rescore", "confirm")  # confirm: see whale/search/acceptance.py
 RECORDED_PURPOSES = ("eval", "smoke", "null_probe", "redone")
+
+# Test hook: `WHALE_TEST_KILL_AT=<point>` SIGKILLs this process when it reaches the named point
+# (see `kill_point`), so the resume tests can cut a run exactly inside each window that matters.
+KILL_ENV = "WHALE_TEST_KILL_AT"
+
+
+def kill_point(point: str) -> None:
+    """SIGKILL ourselves at `point` when the test hook names it: a kill there is what resume must survive.
+
+    Points: `<event>@<unit>` right after that metrics row is written (before the state that
+    follows it is saved), `rows@w<step>` once a weight step's rows are on disk (before training),
+    and `prune` right before weights versions are deleted.
+    """
+    if os.environ.get(KILL_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -43,9 +65,37 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def append_line(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line and fsync: after a kill the line is either whole or a torn last line."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file this module appended to, skipping a line torn by a kill."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in open(path):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 @dataclass
 class Ledger:
-    """Rollouts, calls and tokens by purpose. `budget_rollouts` is what the paper's plots count."""
+    """Rollouts, calls and tokens by purpose. `budget_rollouts` is what the paper's plots count.
+
+    With a `path`, every count is also appended to that file (`ledger.jsonl`) before it returns,
+    and `Ledger.load` rebuilds the totals from it; `keys` are the batches counted so far.
+    """
 
     rollouts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     llm_calls: int = 0
@@ -53,6 +103,8 @@ class Ledger:
     completion_tokens: int = 0
     proposer_seconds: float = 0.0
     proposer_tokens: int = 0
+    keys: set[str] = field(default_factory=set)
+    path: Path | None = None
 
     @property
     def budget_rollouts(self) -> int:
@@ -62,12 +114,43 @@ class Ledger:
     def tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def add_trajectories(self, purpose: str, trajectories: list) -> None:
-        self.rollouts[purpose] += len(trajectories)
-        for t in trajectories:
-            self.llm_calls += len(t.calls)
-            self.prompt_tokens += t.prompt_tokens
-            self.completion_tokens += t.completion_tokens
+    def count(self, key: str, purpose: str, rollouts: int, llm_calls: int = 0, prompt_tokens: int = 0,
+              completion_tokens: int = 0) -> str:
+        """Count one batch of rollouts, run by the unit of work `key`; returns the purpose it was
+        counted under: `redone` when `key` was counted before (its results were lost to a kill)."""
+        counted_as = "redone" if key in self.keys else purpose
+        self._record({"key": key, "purpose": counted_as, "of": purpose, "rollouts": int(rollouts),
+                      "llm_calls": int(llm_calls), "prompt_tokens": int(prompt_tokens),
+                      "completion_tokens": int(completion_tokens)})
+        return counted_as
+
+    def add_proposer(self, key: str, seconds: float, tokens: int) -> None:
+        """Proposer time and tokens: real spending, so a proposer re-run after a kill counts again."""
+        self._record({"key": key, "proposer_seconds": float(seconds), "proposer_tokens": int(tokens)})
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self.path is not None:
+            append_line(self.path, entry)
+        self._apply(entry)
+
+    def _apply(self, e: dict[str, Any]) -> None:
+        self.keys.add(e["key"])
+        if "purpose" in e:
+            self.rollouts[e["purpose"]] += e["rollouts"]
+        self.llm_calls += e.get("llm_calls", 0)
+        self.prompt_tokens += e.get("prompt_tokens", 0)
+        self.completion_tokens += e.get("completion_tokens", 0)
+        self.proposer_seconds += e.get("proposer_seconds", 0.0)
+        self.proposer_tokens += e.get("proposer_tokens", 0)
+
+    @classmethod
+    def load(cls, path: Path, snapshot: dict[str, Any] | None = None) -> "Ledger":
+        """The ledger of `path`; a run from before ledger.jsonl existed starts from its state snapshot."""
+        led = cls.from_snapshot(snapshot or {}) if not path.exists() else cls()
+        for entry in read_jsonl_rows(path):
+            led._apply(entry)
+        led.path = path
+        return led
 
     def snapshot(self) -> dict[str, Any]:
         return {"budget_rollouts": self.budget_rollouts, "rollouts": dict(self.rollouts),
@@ -88,9 +171,10 @@ class Ledger:
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.ledger = Ledger()
+        self.ledger = Ledger(path=self.path / "ledger.jsonl")
         self.t0 = time.time()
         self.elapsed_before = 0.0
+        self.trackers = Trackers({})  # logging.trackers, opened by create/open
 
     # ---------------------------------------------------------------- creation / resume
     @classmethod
@@ -98,9 +182,11 @@ class RunDir:
         run = cls(path)
         if (run.path / "state.json").exists():
             raise ConfigError(f"{run.path} already holds a run; use `whale run --resume {run.path}` or another --out")
+        check_trackers(cfg.logging)
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write(run.path / "config.yaml", dump_config(cfg))
         atomic_write(run.path / "environment.json", json.dumps(environment_record(cfg), indent=1))
+        run.trackers = Trackers.open(cfg, run.path)
         return run
 
     @classmethod
@@ -111,11 +197,13 @@ class RunDir:
             raise ConfigError(f"{run.path} is not a run directory (no config.yaml)")
         cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()) or {})
         state = run.load_state()
-        run.ledger = Ledger.from_snapshot(state.get("ledger", {}))
+        run.ledger = Ledger.load(run.path / "ledger.jsonl", state.get("ledger"))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
+        check_trackers(cfg.logging)
+        run.trackers = Trackers.open(cfg, run.path)
         lost = run.count_inflight()
         if lost:
-            run.ledger.rollouts["redone"] += lost
+            run.ledger.count(f"lost-at-resume-{len(run.ledger.keys)}", "redone", lost)
             run.log({"unit": "resume", "event": "resume", "redone_rollouts": lost})
         run.clear_inflight()
         return run, cfg, state
@@ -138,18 +226,33 @@ class RunDir:
         state["elapsed_s"] = round(self.elapsed(), 2)
         state["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         atomic_write(self.path / "state.json", json.dumps(state, indent=1, default=str))
-        self.clear_inflight()
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.t0
 
+    # ---------------------------------------------------------------- ledger
+    def count(self, key: str, purpose: str, rollouts: int, **usage: int) -> str:
+        """Count a finished batch of rollouts in the ledger (see `Ledger.count`); its episodes leave
+        the in-flight journal, since the ledger now holds them."""
+        counted_as = self.ledger.count(key, purpose, rollouts, **usage)
+        self.clear_inflight()
+        return counted_as
+
+    def count_trajectories(self, key: str, purpose: str, trajectories: list) -> str:
+        return self.count(key, purpose, len(trajectories), llm_calls=sum(len(t.calls) for t in trajectories),
+                          prompt_tokens=sum(t.prompt_tokens for t in trajectories),
+                          completion_tokens=sum(t.completion_tokens for t in trajectories))
+
     # ---------------------------------------------------------------- metrics
     def log(self, row: dict[str, Any]) -> None:
         row = {"time": round(self.elapsed(), 2), **row, "ledger": self.ledger.snapshot()}
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path / "metrics.jsonl", row)
+        self.trackers.log(row)  # after the row is on disk: a tracker can fail, metrics.jsonl cannot
+        kill_point(f"{row.get('event')}@{row.get('unit')}")
+
+    def close(self) -> None:
+        """Flush and close the trackers (the files of the run directory need no closing)."""
+        self.trackers.close()
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
@@ -168,27 +271,72 @@ class RunDir:
         if p.exists():
             p.unlink()
 
+    # ---------------------------------------------------------------- weights versions
+    def weights_path(self, version: str) -> Path:
+        return self.path / "weights" / version
+
+    def weights_on_disk(self) -> list[str]:
+        """Saved weights versions (`w<step>`), oldest first."""
+        root = self.path / "weights"
+        found = [d.name for d in root.iterdir() if d.is_dir() and version_step(d.name) is not None] \
+            if root.exists() else []
+        return sorted(found, key=version_step)
+
+    def prune_weights(self, keep: set[str]) -> list[str]:
+        """Delete every weights folder outside `keep` (and leftovers of an interrupted save), but
+        never a version the saved state.json names (current or val-best): the caller saves the
+        state naming a new version first, so a kill at any point here leaves a loadable run."""
+        saved = self.load_state()
+        keep = set(keep) | {saved.get("weights_version"), (saved.get("val_best") or {}).get("weights_version")}
+        root = self.path / "weights"
+        doomed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in keep] if root.exists() else []
+        if doomed:
+            kill_point("prune")
+        for d in doomed:
+            shutil.rmtree(d, ignore_errors=True)
+        return [d.name for d in doomed]
+
+
+def version_step(version: str) -> int | None:
+    """The step number of a weights version `w<step>`; None for anything else ("base", "w3.tmp")."""
+    return int(version[1:]) if version.startswith("w") and version[1:].isdigit() else None
+
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Metrics rows, keeping the last copy of each row a redone unit wrote again."""
-    p = Path(path) / "metrics.jsonl"
-    if not p.exists():
-        return []
-    rows = []
-    for line in open(p):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line after a kill
+    rows = read_jsonl_rows(Path(path) / "metrics.jsonl")
     keyed: dict[tuple, int] = {}
     for i, r in enumerate(rows):
         keyed[(r.get("unit"), r.get("event"), r.get("split"), r.get("tag"), r.get("iteration"),
                r.get("candidate", r.get("id")))] = i
     keep = set(keyed.values())
     return [r for i, r in enumerate(rows) if i in keep or r.get("unit") is None]
+
+
+def load_summary(run_dir: str | Path) -> dict[str, Any]:
+    """Final / best / val-selected test mean@k of a run, from its metrics (used by report and compare)."""
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if r.get("event") == "eval"]
+    test = [r for r in evals if r.get("split") == "test"]
+    val = [r for r in evals if r.get("split") == "val"]
+    out: dict[str, Any] = {"initial": None, "final": None, "best": None, "val_selected": None}
+    if test:
+        out["initial"] = test[0]["mean_at_k"]
+        out["final"] = test[-1]["mean_at_k"]
+        out["best"] = max(r["mean_at_k"] for r in test)
+    if val and test:
+        best_val = max(val, key=lambda r: r["mean_at_k"])
+        pair = (best_val.get("harness"), best_val.get("weights_version"))  # test may be measured at other tags
+        same = [r for r in test if r.get("tag") == best_val.get("tag")
+                or (r.get("harness"), r.get("weights_version")) == pair]
+        out["val_selected"] = same[-1]["mean_at_k"] if same else None
+        out["val_selected_tag"] = best_val.get("tag")
+    state_path = Path(run_dir) / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    out["ledger"] = state.get("ledger", {})
+    out["seconds"] = state.get("elapsed_s")
+    out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")
+    return out
 
 
 def _sha256(path: Path, limit: int | None = None) -> str:

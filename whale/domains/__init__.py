@@ -1,4 +1,5 @@
-"""Tasks: search QA, math and chess, plus any user domain named in the config.
+"""Tasks: search QA, math, chess, reasoning-gym tasks and verifiers environments, plus any user
+domain named in the config.
 
 `load_domain(cfg)` is the one entry point; `domain.module: "pkg.mod:Class"` loads your own class
 (it must follow `whale.domains.base.Domain`; see examples/custom_domain.py).
@@ -13,7 +14,7 @@ from whale.domains.base import SPLITS, Domain, EpisodeEnv, EpisodeError, Problem
 
 __all__ = ["SPLITS", "Domain", "EpisodeEnv", "EpisodeError", "Problem", "load_domain", "DOMAIN_NAMES"]
 
-DOMAIN_NAMES = ("searchqa", "math", "chess")
+DOMAIN_NAMES = ("searchqa", "math", "chess", "reasoning_gym", "verifiers")
 
 
 def load_domain(cfg: Config) -> Domain:
@@ -38,6 +39,14 @@ def load_domain(cfg: Config) -> Domain:
         from whale.domains.chess import ChessDomain
 
         domain = ChessDomain(cfg)
+    elif cfg.domain.name == "reasoning_gym":
+        from whale.domains.reasoning_gym import ReasoningGymDomain
+
+        domain = ReasoningGymDomain(cfg)
+    elif cfg.domain.name == "verifiers":
+        from whale.domains.verifiers_env import VerifiersDomain
+
+        domain = VerifiersDomain(cfg)
     else:
         raise ConfigError(f"unknown domain '{cfg.domain.name}': choose one of {', '.join(DOMAIN_NAMES)} "
                           "or set domain.module")

@@ -15,11 +15,16 @@ Your own task: write a class with these members in your own module and name it i
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
+
+from whale.config import BudgetConfig, ConfigError
 
 SPLITS = ("weight", "harness", "val", "test")
+DEAL_ORDER = ("test", "val", "harness", "weight")  # held-out splits first: a bigger weight split leaves them alone
+T = TypeVar("T")
 
 
 def split_sizes(sizes: Any) -> dict[str, int]:
@@ -29,6 +34,98 @@ def split_sizes(sizes: Any) -> dict[str, int]:
     if bad:
         raise ValueError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
     return out
+
+
+def content_groups(items: Sequence[T], keys: Callable[[T], Iterable[Hashable]]) -> list[list[T]]:
+    """Items linked by any shared content key (an entity, an expression, a position), as groups.
+
+    Connected components, so "currency of France" and "currency of the country whose capital is
+    Paris" (both keyed by the country) and any chain of such links end up in one group. Groups
+    and their members keep the order of `items`.
+    """
+    parent = list(range(len(items)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[Hashable, int] = {}
+    for i, item in enumerate(items):
+        for key in keys(item):
+            j = owner.setdefault(key, i)
+            a, b = root(i), root(j)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[T]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(root(i), []).append(item)
+    return list(groups.values())
+
+
+def deal_groups(groups: Sequence[list[T]], sizes: dict[str, int], names: Sequence[str], what: str,
+                seed: Any = None) -> dict[str, list[T]]:
+    """Fill the splits `names` in order with whole groups, so no content key is in two splits.
+
+    Groups are taken in the given (seeded) order; one that does not fit the room left in a split
+    waits for the next split, so sizes come out exactly as configured. With `seed`, each split's
+    members are shuffled (seeded by split name), so `--limit N` still sees a mix.
+    """
+    left = list(groups)
+    out: dict[str, list[T]] = {}
+    for name in names:
+        room, taken, rest = sizes[name], [], []
+        for g in left:
+            if 0 < len(g) <= room:
+                taken.extend(g)
+                room -= len(g)
+            else:
+                rest.append(g)
+        if room:
+            remaining = sum(len(g) for g in rest)
+            raise ValueError(f"{what}: cannot fill the {name} split ({sizes[name]}) with whole groups of related "
+                             f"problems: {room} places left and {remaining} problems in {len(rest)} groups remain "
+                             f"(splits ask for {', '.join(f'{n}={sizes[n]}' for n in names)}); lower domain.splits "
+                             "or add data")
+        if seed is not None:
+            random.Random(f"{seed}:{name}").shuffle(taken)
+        out[name], left = taken, rest
+    return out
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A domain setting and the mode that reads it: given in any other mode it is an error, not a no-op."""
+
+    help: str
+    when: str = ""  # the mode in words ("domain.source: searchr1"); "" = read in every mode
+    applies: Callable[[Any], bool] = lambda d: True  # noqa: E731 - d is the DomainConfig
+
+
+def refuse_unread_settings(domain: str, d: Any, fields: dict[str, Setting], options: dict[str, Setting]) -> None:
+    """One error naming the first setting this domain, in this mode, would silently ignore.
+
+    `fields` are the DomainConfig keys the domain reads (data_path, corpus_path, retriever_url,
+    judge_model, budget.invalid_moves), `options` every key it knows in `domain.options`.
+    """
+    given = {k: getattr(d, k) for k in ("data_path", "corpus_path", "retriever_url", "judge_model")}
+    given = {k: v for k, v in given.items() if v not in (None, "")}
+    if d.budget.invalid_moves != BudgetConfig().invalid_moves:
+        given["budget.invalid_moves"] = d.budget.invalid_moves
+    for key in given:
+        setting = fields.get(key)
+        if setting is None:
+            raise ConfigError(f"{domain}: domain.{key} is not read by this domain; remove it")
+        if not setting.applies(d):
+            raise ConfigError(f"{domain}: domain.{key} is read only with {setting.when}; remove it or change the mode")
+    unknown = sorted(set(d.options) - set(options))
+    if unknown:
+        raise ConfigError(f"{domain}: unknown domain.options {unknown}; known: {', '.join(options) or 'none'}")
+    for key in d.options:
+        if not options[key].applies(d):
+            raise ConfigError(f"{domain}: domain.options.{key} is read only with {options[key].when}; "
+                              "remove it or change the mode")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

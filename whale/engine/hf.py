@@ -1,34 +1,47 @@
-"""In-process transformers engine (CPU or one GPU), with its own batched decode loop.
+"""In-process transformers engine (CPU or one GPU) with continuous batching and prefix sharing.
 
 Why not `model.generate`: WHALE needs every sampled row to be reproducible on its own. Each
 sequence draws its random numbers from a private `torch.Generator` seeded from its request, so a
-sample does not depend on which other calls happened to share its batch (the same guarantee as
-vLLM's per-request seed). The loop also drops finished rows from the KV cache, so a batch costs
-what its live rows cost, and it returns the exact prompt and completion ids for training rows.
+sample does not depend on which other calls happened to share its batch or on when it joined (the
+same guarantee as vLLM's per-request seed), and the engine returns the exact prompt and completion
+ids for training rows.
 
-`choices` are scored at sequence level (DESIGN §4): one prefill of the prompt, then every choice's
-canonical ids in one batched forward over the shared KV cache; a choice is drawn from
-softmax(log p(choice | prompt) / T). Token-by-token masking would distort that distribution.
+`submit` validates and tokenizes a request in the caller's thread and hands it to the scheduler
+(whale/engine/scheduler.py), the one thread that runs the model: sequences join the running
+decode batch as soon as a row frees and leave when done, prompts that share a prefix with a live
+row or with a recent sequence (the k samples of a problem, an episode's next call) copy its KV
+instead of recomputing it (whale/engine/kv.py), and `choices` of many requests are scored in one
+forward. `engine.stats` counts prefill tokens requested vs computed, decode steps and seconds.
+
+`choices` are scored at sequence level (DESIGN §4): every choice's canonical ids after the shared
+prompt, a choice drawn from softmax(log p(choice | prompt) / T). Token-by-token masking would
+distort that distribution.
+
+Weights: `load_weights` and `serve_model` wait until the live sequences have finished (so each
+sequence is sampled from one set of weights under one version tag), apply the change while the
+scheduler is held idle, and clear the prefix cache.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import secrets
-from dataclasses import dataclass, field
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
+from whale.engine.base import (Generation, GenerationRequest, SamplingParams, error_generations, wait_all,
+                               weights_kind)
 from whale.engine.default_model import resolve_model_path
+from whale.engine.jobs import Job, Seq
+from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one batched choice forward (256 MiB)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,22 +67,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if bf16_ok else torch.float32
 
 
-@dataclass
-class _Seq:
-    """One sequence to sample: sample `sample` of request `req`."""
-
-    req: int
-    sample: int
-    prompt_ids: list[int]
-    max_new: int
-    seed: int
-    stop: list[str]
-    ids: list[int] = field(default_factory=list)
-    finish: str = "length"
-
-
 class HFEngine:
-    """The `Engine` protocol on a transformers causal LM (optionally with a PEFT adapter)."""
+    """The `Engine` protocol on a transformers causal LM (optionally with a PEFT adapter).
+
+    `max_batch_size` caps the live decode rows; `prefix_cache_bytes` bounds the KV kept from
+    finished sequences for reuse (0 turns that cache off; rows in flight are always shared).
+    Full-attention decoder models only (Llama, Qwen2/3, SmolLM, ...): the scheduler builds the
+    attention mask itself, which a sliding-window layer would not respect.
+    """
 
     returns_ids = True
     weight_sync = "in_place"  # the trainer updates self.model; see engine.base.WeightSync
@@ -81,6 +86,7 @@ class HFEngine:
         device: str = "auto",
         max_batch_size: int = 32,
         max_model_len: int = 4096,
+        prefix_cache_bytes: int = 1 << 30,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,12 +106,22 @@ class HFEngine:
         self.path = resolve_model_path(name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
+        _check_full_attention(self.model.config)
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = self._eos_ids()
-        self._cache_kw = self._cache_kwarg()
+        self.cache_kwarg = self._cache_kwarg()
         self._adapter_count = 0  # names of adapters loaded beside another one
+        # the fast tokenizer is one Rust object shared by callers' threads and the engine thread
+        self._tok_lock = threading.Lock()
+        self.scheduler = Scheduler(self, prefix_cache_bytes)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters since start: prefill tokens requested / computed / padded, decode steps, seconds."""
+        return self.scheduler.stats
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -133,57 +149,48 @@ class HFEngine:
             tokenize=False,
             **(template_kwargs or {}),
         )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._tok_lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode(self, text: str) -> list[int]:
+        with self._tok_lock:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _decode(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def count_tokens(self, messages: list[dict[str, Any]]) -> int:
         return len(self._prompt_ids(messages))
 
-    # ------------------------------------------------------------------ generate
+    # ------------------------------------------------------------------ submit / generate
+
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]:
+        """Queue one request (any thread, returns at once); a bad request resolves to an error generation."""
+        future: Future[list[Generation]] = Future()
+        try:
+            job = self._job(request, sampling, future)
+        except Exception as exc:  # one bad request fails one episode, never its batch-mates
+            future.set_result([self._error(f"error: {exc}")])
+            return future
+        self.scheduler.enqueue([job])
+        return future
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
-        results: list[list[Generation | None]] = []
-        seqs: list[_Seq] = []
-        choice_jobs = []
-        for r, req in enumerate(requests):
+        """Submit all, wait all (enqueued together, so the first prefill sees every request)."""
+        futures, jobs = [], []
+        for req in requests:
+            future: Future[list[Generation]] = Future()
+            futures.append(future)
             try:
-                prompt, max_new, n, seed, stop = self._check(req, sampling)
-            except Exception as exc:  # one bad request fails one episode, never the batch
-                results.append([self._error(f"error: {exc}")])
-                continue
-            results.append([None] * n)
-            if req.choices is not None:
-                choice_jobs.append((r, prompt, list(req.choices), [seed + i for i in range(n)]))
-            else:
-                seqs.extend(_Seq(r, i, prompt, max_new, seed + i, stop) for i in range(n))
+                jobs.append(self._job(req, sampling, future))
+            except Exception as exc:
+                future.set_result([self._error(f"error: {exc}")])
+        self.scheduler.enqueue(jobs)
+        return wait_all(futures)
 
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            # no_grad rather than inference_mode: the trainer may fine-tune this same model in
-            # place, and inference tensors cached inside modules would break its backward pass.
-            with torch.no_grad():
-                for r, prompt, choices, seeds in choice_jobs:
-                    try:
-                        picks = self._choose(prompt, choices, seeds, sampling.temperature)
-                    except Exception as exc:
-                        results[r] = [self._error(f"error: {exc}")]
-                        continue
-                    for i, c in enumerate(picks):
-                        ids = self.tokenizer.encode(choices[c], add_special_tokens=False)
-                        results[r][i] = self._generation(choices[c], "choice", prompt, ids, requests[r])
-                seqs.sort(key=lambda s: len(s.prompt_ids))
-                for start in range(0, len(seqs), self.max_batch_size):
-                    self._decode(seqs[start : start + self.max_batch_size], sampling)
-        finally:
-            if was_training:
-                self.model.train()
-
-        for s in seqs:
-            results[s.req][s.sample] = self._finish(s, requests[s.req])
-        return results  # type: ignore[return-value]
-
-    def _check(self, req: GenerationRequest, sampling: SamplingParams):
-        """Validate one request; return (prompt ids, max new tokens, n, seed, stop strings)."""
+    def _job(self, req: GenerationRequest, sampling: SamplingParams, future: Future) -> Job:
+        """Validate one request and turn it into a scheduler job (raises ValueError on bad input)."""
         if not isinstance(req.n, int) or req.n < 1:
             raise ValueError(f"n must be a positive integer, got {req.n!r}")
         stop = req.stop or []
@@ -197,15 +204,30 @@ class HFEngine:
         prompt = self._prompt_ids(req.messages, req.tools, req.template_kwargs)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt too long ({len(prompt)} tokens)")
+        seed = int(req.seed if req.seed is not None else secrets.randbits(62))
+        seeds = [seed + i for i in range(req.n)]
+        if req.choices is not None:
+            return self._choice_job(prompt, list(req.choices), future, sampling, req, seeds)
         max_new = req.max_tokens if req.max_tokens is not None else sampling.max_tokens
         if not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_new!r}")
         max_new = min(max_new, sampling.max_tokens_cap, self.max_model_len - len(prompt))
-        seed = req.seed if req.seed is not None else secrets.randbits(62)
-        return prompt, max_new, req.n, int(seed), stop
+        return Job(future, "sample", prompt, sampling, req, seeds, max_new, stop)
+
+    def _choice_job(self, prompt: list[int], choices: list[str], future: Future, sampling: SamplingParams,
+                    req: GenerationRequest | None, seeds: list[int]) -> Job:
+        encoded = [self._encode(c) for c in choices]
+        if not all(encoded):
+            raise ValueError("every choice must encode to at least one token")
+        longest = max(len(e) for e in encoded)
+        if len(prompt) + longest > self.max_model_len:
+            raise ValueError(f"prompt too long ({len(prompt)} tokens + {longest} for the longest choice)")
+        job = Job(future, "choice" if req is not None else "score", prompt, sampling, req, seeds)
+        job.choice_ids = encoded
+        return job
 
     def _error(self, text: str) -> Generation:
-        return Generation(text=text, finish_reason="error", weights_version=self.weights_version)
+        return error_generations(text, self.weights_version)[0]
 
     def _generation(self, text, finish, prompt, ids, req) -> Generation:
         return Generation(
@@ -219,157 +241,44 @@ class HFEngine:
             completion_tokens=len(ids),
         )
 
-    def _finish(self, s: _Seq, req: GenerationRequest) -> Generation:
+    def finish_generation(self, s: Seq) -> Generation:
         """Text of a finished sequence: without a final EOS, cut before the first stop string."""
         body = s.ids[:-1] if s.ids and s.ids[-1] in self.eos_ids and s.finish == "stop" else s.ids
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
-        cuts = [text.find(x) for x in s.stop if x in text]
+        text = self._decode(body)
+        cuts = [text.find(x) for x in s.job.stop if x in text]
         if cuts:
             text = text[: min(cuts)]
-        return self._generation(text, s.finish, s.prompt_ids, s.ids, req)
+        return self._generation(text, s.finish, s.prompt, s.ids, s.job.request)
 
-    # ------------------------------------------------------------------ decode loop
+    def choice_generation(self, job: Job, pick: int) -> Generation:
+        choice = job.request.choices[pick]
+        return self._generation(choice, "choice", job.prompt, job.choice_ids[pick], job.request)
+
+    def hit_stop(self, ids: list[int], stop: list[str], window: int) -> bool:
+        """Did the last token complete a stop string? Decoding a short tail keeps this O(1) per step."""
+        tail = self._decode(ids[-window:])
+        return any(x in tail for x in stop)
 
     def _cache_kwarg(self) -> str:
-        """The forward argument that takes the KV cache: `cache` in recent transformers, else the old name."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        """The forward argument that takes the KV cache: `cache` in recent transformers, else the old name.
 
-    def _forward(self, cache, **kwargs):
-        return self.model(use_cache=True, return_dict=True, **{self._cache_kw: cache}, **kwargs)
+        Read from the transformers model itself: a peft wrapper passes it through as **kwargs."""
+        from peft import PeftModel  # heavy; only needed to see through the trainer's wrapper
 
-    def _decode(self, batch: list[_Seq], sampling: SamplingParams) -> None:
-        """Sample every sequence of `batch` to EOS, a stop string or its token limit, in place."""
-        from transformers import DynamicCache
-
-        dev = self.device
-        lens = [len(s.prompt_ids) for s in batch]
-        width = max(lens)
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, s in enumerate(batch):  # left padding: the next token of every row is at column -1
-            input_ids[i, width - lens[i] :] = torch.tensor(s.prompt_ids)
-            mask[i, width - lens[i] :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # One uniform per step per row, drawn up front from the row's own generator: the stream
-        # depends only on (seed, max_new), never on the batch.
-        uniforms = torch.zeros((len(batch), max(s.max_new for s in batch)))
-        for i, s in enumerate(batch):
-            gen = torch.Generator().manual_seed(s.seed % (1 << 63))
-            uniforms[i, : s.max_new] = 1.0 - torch.rand(s.max_new, generator=gen)  # in (0, 1]
-        uniforms = uniforms.to(dev)
-        eos = torch.tensor(sorted(self.eos_ids), device=dev)
-        windows = [max((len(x) for x in s.stop), default=0) + 4 for s in batch]
-
-        mask = mask.to(dev)
-        cache = DynamicCache(config=self.model.config)
-        out = self._forward(cache, input_ids=input_ids.to(dev), attention_mask=mask,
-                            position_ids=positions.to(dev), logits_to_keep=1)
-        next_pos = torch.tensor(lens, device=dev).unsqueeze(-1)
-        rows = torch.arange(len(batch), device=dev)  # row of `batch` behind each live cache row
-        live = list(range(len(batch)))
-        step = 0
-        while True:
-            tokens = self._sample(out.logits[:, -1, :], uniforms[rows, step], sampling)
-            is_eos = torch.isin(tokens, eos).tolist()
-            keep = []
-            for j, (tok, hit_eos) in enumerate(zip(tokens.tolist(), is_eos)):
-                s = batch[live[j]]
-                s.ids.append(tok)
-                if hit_eos:
-                    s.finish = "stop"
-                elif s.stop and self._hit_stop(s, windows[live[j]]):
-                    s.finish = "stop"
-                elif len(s.ids) >= s.max_new:
-                    s.finish = "length"
-                else:
-                    keep.append(j)
-            if not keep:
-                return
-            if len(keep) < len(live):  # drop finished rows: they stop costing compute
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                mask, next_pos, rows, tokens = mask[idx], next_pos[idx], rows[idx], tokens[idx]
-                live = [live[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
-            out = self._forward(cache, input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=next_pos)
-            next_pos = next_pos + 1
-            step += 1
-
-    def _hit_stop(self, s: _Seq, window: int) -> bool:
-        """Did the last token complete a stop string? Decoding a short tail keeps this O(1) per step."""
-        tail = self.tokenizer.decode(s.ids[-window:], skip_special_tokens=False)
-        return any(x in tail for x in s.stop)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """Next token per row by inverse-CDF sampling with the row's uniform `u` (greedy at T=0)."""
-        if sampling.temperature <= 0:
-            return logits.argmax(dim=-1)
-        logits = logits.float() / sampling.temperature
-        order = None
-        if 0 < sampling.top_k < logits.shape[-1]:
-            logits, order = logits.topk(sampling.top_k, dim=-1)  # sorted, largest first
-        elif sampling.top_p < 1.0:
-            logits, order = logits.sort(dim=-1, descending=True, stable=True)
-        probs = torch.softmax(logits, dim=-1)
-        if sampling.top_p < 1.0:  # nucleus: keep the smallest prefix with mass >= top_p
-            probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)
-        cdf = probs.cumsum(-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=cdf.shape[-1] - 1)
-        return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
     # ------------------------------------------------------------------ choices
 
-    @torch.no_grad()
     def choice_logprobs(self, prompt_ids: list[int], choices: list[str]) -> torch.Tensor:
-        """log p(choice | prompt) summed over each choice's canonical ids, one shared prefill."""
-        enc = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
-        longest = max(len(e) for e in enc)
-        if len(prompt_ids) + longest > self.max_model_len:
-            raise ValueError(f"prompt too long ({len(prompt_ids)} tokens + {longest} for the longest choice)")
-        from transformers import DynamicCache
-
-        dev = self.device
-        cache = DynamicCache(config=self.model.config)
-        out = self._forward(cache, input_ids=torch.tensor([prompt_ids], device=dev), logits_to_keep=1)
-        first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-        vocab = out.logits.shape[-1]
-        chunk = max(1, min(len(enc), _CHOICE_LOGITS_BYTES // max(1, longest * vocab * 4)))
-        scores = []
-        for start in range(0, len(enc), chunk):
-            part = enc[start : start + chunk]
-            width = max(len(e) for e in part)
-            ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
-            valid = torch.zeros((len(part), width), dtype=torch.bool)
-            for i, e in enumerate(part):  # right padding: choice tokens sit right after the prompt
-                ids[i, : len(e)] = torch.tensor(e)
-                valid[i, : len(e)] = True
-            ids, valid = ids.to(dev), valid.to(dev)
-            total = first[ids[:, 0]]
-            if width > 1:
-                part_cache = copy.deepcopy(cache) if start + chunk < len(enc) else cache
-                part_cache.batch_repeat_interleave(len(part))
-                attn = torch.cat([torch.ones((len(part), len(prompt_ids)), dtype=torch.long, device=dev),
-                                  valid.long()], dim=-1)
-                pos = torch.arange(len(prompt_ids), len(prompt_ids) + width - 1, device=dev).expand(len(part), -1)
-                logits = self._forward(part_cache, input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                                       position_ids=pos).logits.float()
-                token_lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-                total = total + (token_lp * valid[:, 1:]).sum(-1)
-            scores.append(total)
-        return torch.cat(scores).cpu()
-
-    def _choose(self, prompt_ids: list[int], choices: list[str], seeds: list[int], temperature: float) -> list[int]:
-        """Indices of the drawn choices, one per seed: softmax(logp / T), argmax at T=0."""
-        logp = self.choice_logprobs(prompt_ids, choices)
-        if temperature <= 0:
-            return [int(logp.argmax())] * len(seeds)
-        cdf = torch.softmax(logp / temperature, dim=-1).cumsum(-1)
-        picks = []
-        for seed in seeds:
-            u = 1.0 - torch.rand(1, generator=torch.Generator().manual_seed(seed % (1 << 63)))
-            picks.append(int(torch.searchsorted(cdf, u * cdf[-1]).clamp(max=len(choices) - 1)))
-        return picks
+        """log p(choice | prompt) summed over each choice's canonical ids (scored by the scheduler)."""
+        future: Future = Future()
+        job = self._choice_job(list(prompt_ids), list(choices), future, SamplingParams(), None, [])
+        self.scheduler.enqueue([job])
+        [result] = future.result()
+        if isinstance(result, Generation):
+            raise RuntimeError(result.text)
+        return result
 
     # ------------------------------------------------------------------ weights
 
@@ -381,13 +290,15 @@ class HFEngine:
         replaces the weights. Both copy into the existing parameters when the shapes match, so a
         trainer holding this model (and its optimizer) keeps working on the same tensors.
         """
-        if path is not None:
-            folder = Path(path)
-            if weights_kind(folder) == "adapter":
-                self._load_adapter(folder)
-            else:
-                self._load_full(folder)
-        self.weights_version = version
+        with self.scheduler.paused():  # live sequences finish on the old weights, under the old tag
+            if path is not None:
+                folder = Path(path)
+                if weights_kind(folder) == "adapter":
+                    self._load_adapter(folder)
+                else:
+                    self._load_full(folder)
+                self.cache_kwarg = self._cache_kwarg()
+            self.weights_version = version
 
     def _load_full(self, folder: Path) -> None:
         from peft import PeftModel
@@ -400,8 +311,8 @@ class HFEngine:
                 with torch.no_grad():
                     self.model.load_state_dict(theirs)
                 return
+        _check_full_attention(new.config)
         self.model = new.to(self.device).eval()  # other architecture, or drop the adapter wrapper
-        self._cache_kw = self._cache_kwarg()
         self._free_cuda()
 
     @staticmethod
@@ -442,13 +353,26 @@ class HFEngine:
 
     def serve_model(self, model) -> None:
         """Serve `model` from now on: the trainer's (possibly peft-wrapped) version of self.model."""
-        self.model = model
-        self._cache_kw = self._cache_kwarg()
+        with self.scheduler.paused():
+            self.model = model
+            self.cache_kwarg = self._cache_kwarg()
 
     def _free_cuda(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def close(self) -> None:
+        """Stop the engine thread (calls still queued resolve to errors) and drop the model."""
+        self.scheduler.close()
         self.model = None  # type: ignore[assignment]
         self._free_cuda()
+
+
+def _check_full_attention(config) -> None:
+    """The scheduler's masks give every layer full causal attention; refuse models that need other."""
+    text = config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    if kinds != {"full_attention"} or window:
+        raise ValueError(f"the hf engine serves full-attention decoder models; {type(config).__name__} has "
+                         f"{sorted(kinds)} layers (sliding window {window}); use the vllm backend for it")

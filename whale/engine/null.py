@@ -21,12 +21,12 @@ import random
 import string
 from typing import Any
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 
 _LETTERS = string.ascii_lowercase + string.digits
 
 
-class NullEngine:
+class NullEngine(QueuedSubmit):
     weights_version = "null"
     returns_ids = False
     weight_sync = "none"

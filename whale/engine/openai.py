@@ -37,7 +37,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from whale.engine.base import Generation, GenerationRequest, SamplingParams
@@ -186,6 +186,10 @@ class OpenAIEngine:
                          retries=self.max_retries)
 
     # ------------------------------------------------------------------ generate
+
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]:
+        """One HTTP request per call, sent at once from the pool (the server batches); never fails."""
+        return self._pool.submit(self._one, request, sampling)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         return list(self._pool.map(lambda r: self._one(r, sampling), requests))

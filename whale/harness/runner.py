@@ -4,9 +4,10 @@ It plays many episodes of one harness at once. Each episode is a sandboxed proce
 per-candidate fork server; its `llm(...)` and `env.<tool>(...)` calls arrive here over a pipe.
 The parent runs an asyncio event loop:
 
-- model calls from all live episodes are gathered and flushed to the engine as one batch when
-  every live episode is waiting on the engine, or `batch_window_ms` after the engine became free
-  (whichever is first); generation runs in a thread off the loop, so sockets keep being served;
+- each model call goes to `Engine.submit` the moment it arrives and the episode awaits that call
+  alone: batching is the engine's job (the hf engine lets a sequence join its running decode batch
+  as soon as a row frees), so an episode's next call never waits for unrelated sequences, and the
+  loop keeps serving sockets while the engine works in its own thread;
 - tool calls run in a thread pool (retrieval, sandboxed Python), also off the loop;
 - an episode's wall-time budget counts only the time the harness itself runs, not time queued for
   the engine or tools;
@@ -29,7 +30,6 @@ import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from whale.config import Config
@@ -38,6 +38,7 @@ from whale.engine.base import Engine, Generation, GenerationRequest, SamplingPar
 from whale.harness.progress import ProgressBar
 from whale.harness.sandbox import UIDS, SandboxHost
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
+from whale.harness.usage import decide_usage, record_mark
 
 ROLES = {"system", "user", "assistant", "tool"}
 MAX_FORGED = 50  # unparseable or off-schema messages tolerated before the episode is killed
@@ -114,80 +115,6 @@ def _grade_in_worker(grader: Callable, problem: Problem, answer: str | None) -> 
         return 0.0
 
 
-@dataclass
-class _Pending:
-    request: GenerationRequest
-    future: asyncio.Future
-
-
-class _Batcher:
-    """Collects llm() calls from live episodes; flushes them to the engine in batches."""
-
-    def __init__(self, engine: Engine, sampling: SamplingParams, window_s: float, executor: ThreadPoolExecutor):
-        self.engine = engine
-        self.sampling = sampling
-        self.window_s = window_s
-        self.executor = executor
-        self.pending: list[_Pending] = []
-        self.live = 0  # episodes started and not finished
-        self.busy_elsewhere = 0  # live episodes waiting on a tool (they will not call the engine soon)
-        self.event = asyncio.Event()
-        self.engine_free_at = time.monotonic()
-        self.first_pending_at = self.last_arrival_at = self.engine_free_at
-        self.batches = 0
-        self.task = asyncio.ensure_future(self._loop())
-
-    def submit(self, request: GenerationRequest) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        now = time.monotonic()
-        if not self.pending:
-            self.first_pending_at = now
-        self.last_arrival_at = now
-        self.pending.append(_Pending(request, fut))
-        self.event.set()
-        return fut
-
-    def poke(self) -> None:
-        self.event.set()
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self.event.wait()
-            self.event.clear()
-            if not self.pending:
-                continue
-            # Wait while calls keep arriving: flush once every live episode is waiting, or no new
-            # call came for `window_s`, or the oldest call has waited 10 windows since the engine
-            # was free (episodes start and finish in bursts; a fixed window splits the bursts).
-            hard_deadline = max(self.engine_free_at, self.first_pending_at) + 10 * self.window_s
-            while self.pending and len(self.pending) < self.live - self.busy_elsewhere:
-                now = time.monotonic()
-                timeout = min(self.last_arrival_at + self.window_s, hard_deadline) - now
-                if timeout <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self.event.wait(), timeout)
-                except asyncio.TimeoutError:
-                    break
-                self.event.clear()
-            batch, self.pending = self.pending, []
-            if not batch:
-                continue
-            self.batches += 1
-            try:
-                results = await loop.run_in_executor(
-                    self.executor, self.engine.generate, [p.request for p in batch], self.sampling)
-            except Exception as exc:  # engine failure: every call of the batch fails, episodes go on
-                results = [[Generation(text=f"engine error: {exc}", finish_reason="error")] for _ in batch]
-            self.engine_free_at = time.monotonic()
-            for p, gens in zip(batch, results):
-                if not p.future.done():
-                    p.future.set_result(gens)
-            if self.pending:
-                self.event.set()
-
-
 class RolloutRunner:
     """Runs episodes of a harness against a domain and an engine. See the module docstring."""
 
@@ -197,13 +124,12 @@ class RolloutRunner:
         self.cfg = cfg
         self.sampling = sampling_from_config(cfg)
         self.budget = cfg.domain.budget
-        self.gen_executor = ThreadPoolExecutor(1, thread_name_prefix="whale-engine")
         self.tool_executor = ThreadPoolExecutor(8, thread_name_prefix="whale-tools")
         grader = domain.grader() if hasattr(domain, "grader") else domain.grade
         self._grader = grader
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
-        self.stats: dict[str, float] = {"batches": 0, "episodes": 0}
+        self.stats: dict[str, float] = {"episodes": 0, "llm_calls": 0}
         # called with every finished trajectory of every run (the run directory's in-flight journal)
         self.journal: Callable[[Trajectory], None] | None = None
 
@@ -218,7 +144,6 @@ class RolloutRunner:
                                      progress, on_episode))
 
     def close(self) -> None:
-        self.gen_executor.shutdown(wait=False)
         self.tool_executor.shutdown(wait=False)
         if self._grade_pool is not None:
             self._grade_pool.shutdown(wait=False, cancel_futures=True)
@@ -235,8 +160,6 @@ class RolloutRunner:
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
         host = SandboxHost(source, self.cfg.runner.sandbox, self.cfg.runner.concurrency)
         await host.start()
-        batcher = _Batcher(self.engine, self.sampling, self.cfg.runner.batch_window_ms / 1000,
-                           self.gen_executor)
         sem = asyncio.Semaphore(self.cfg.runner.concurrency)
         jobs = [(i, p, s) for i, p in enumerate(problems) for s in range(samples)]
         results: list[Trajectory | None] = [None] * len(jobs)
@@ -244,7 +167,7 @@ class RolloutRunner:
 
         async def one(j, idx, problem, sample):
             async with sem:
-                traj = await self._episode(host, batcher, problem, sample, harness_id, seed, purpose, idx)
+                traj = await self._episode(host, problem, sample, harness_id, seed, purpose, idx)
             results[j] = traj
             bar.advance(traj.reward)
             if on_episode is not None:
@@ -255,14 +178,12 @@ class RolloutRunner:
         try:
             await asyncio.gather(*(one(j, *job) for j, job in enumerate(jobs)))
         finally:
-            batcher.task.cancel()
             await host.close()
             bar.close()
-        self.stats["batches"] += batcher.batches
         self.stats["episodes"] += len(jobs)
         return results  # type: ignore[return-value]
 
-    async def _episode(self, host: SandboxHost, batcher: _Batcher, problem: Problem, sample: int,
+    async def _episode(self, host: SandboxHost, problem: Problem, sample: int,
                        harness_id: str, seed: int, purpose: str, index: int) -> Trajectory:
         traj = Trajectory(problem_id=problem.id, sample=sample, harness_id=harness_id, source=problem.source,
                           question=problem.question, weights_version=self.engine.weights_version)
@@ -272,19 +193,16 @@ class RolloutRunner:
         env = self.domain.make_env(problem)
         episode = f"{purpose}-{index}-{sample}"
         uid = UIDS.take() if host.can_drop_privileges else None
-        batcher.live += 1
         writer = None
         started = time.monotonic()
         try:
             reader, writer = await host.spawn(episode, uid, derive_seed(seed, problem.id, sample, "py"),
                                               env.public_state(), sorted(set(env.tools) | {"submit"}))
-            traj.error = await self._serve(env, traj, reader, writer, batcher, host, episode,
+            traj.error = await self._serve(env, traj, reader, writer, host, episode,
                                            seed, problem, sample, started)
         except Exception as exc:  # noqa: BLE001 - a runner bug must not kill the other episodes
             traj.error = f"runner error: {type(exc).__name__}: {exc}"
         finally:
-            batcher.live -= 1
-            batcher.poke()
             host.kill(episode)
             if writer is not None:
                 writer.close()
@@ -296,6 +214,10 @@ class RolloutRunner:
             env.close()
         traj.answer = env.final_answer()
         traj.seconds = round(traj.seconds, 3)
+        try:
+            decide_usage(traj)  # which calls may be trained (usage.py)
+        except Exception as exc:  # noqa: BLE001 - a bug there fails this episode, not the run
+            traj.error = traj.error or f"runner error: deciding which calls are used: {type(exc).__name__}: {exc}"
         if traj.error is None and traj.answer is not None:
             traj.reward = await self._grade(problem, traj)
         elif traj.error is None:
@@ -316,8 +238,15 @@ class RolloutRunner:
                     traj.error = f"grading failed: {type(exc).__name__}: {exc}"
         return 0.0
 
-    async def _serve(self, env: EpisodeEnv, traj: Trajectory, reader, writer, batcher: _Batcher,
-                     host: SandboxHost, episode: str, seed: int, problem: Problem, sample: int,
+    async def _llm(self, request: GenerationRequest) -> list[Generation]:
+        """One model call: submitted as it arrives, awaited alone (the engine batches)."""
+        self.stats["llm_calls"] += 1
+        try:
+            return await asyncio.wrap_future(self.engine.submit(request, self.sampling))
+        except Exception as exc:  # noqa: BLE001 - an engine bug fails this call, the episode goes on
+            return [Generation(text=f"engine error: {type(exc).__name__}: {exc}", finish_reason="error")]
+
+    async def _serve(self, env: EpisodeEnv, traj: Trajectory, reader, writer, host: SandboxHost, episode: str, seed: int, problem: Problem, sample: int,
                      started: float) -> str | None:
         """Answer the episode's requests until it finishes; return its error (None if clean)."""
         budget = self.budget
@@ -388,7 +317,7 @@ class RolloutRunner:
                     continue
                 req.seed = derive_seed(seed, problem.id, sample, llm_calls)
                 llm_calls += 1
-                gens = await batcher.submit(req)
+                gens = await self._llm(req)
                 outs = []
                 for i, g in enumerate(gens):
                     tokens += g.prompt_tokens + g.completion_tokens
@@ -424,7 +353,6 @@ class RolloutRunner:
                         await reply({"id": mid, "error": f"budget exceeded: more than {budget.tool_calls} tool calls", "fatal": True})
                         return f"budget exceeded: more than {budget.tool_calls} tool calls"
                     tool_calls += 1
-                batcher.busy_elsewhere += 1
                 t1 = time.monotonic()
                 try:
                     result, text = await asyncio.get_running_loop().run_in_executor(
@@ -436,17 +364,18 @@ class RolloutRunner:
                     result, text, error = None, "null", f"bad arguments for env.{name}: {e}"
                 except Exception as e:  # noqa: BLE001 - a tool bug is the episode's error, not the run's
                     result, text, error = None, "null", f"env.{name} failed: {type(e).__name__}: {e}"
-                finally:
-                    batcher.busy_elsewhere -= 1
-                    batcher.poke()
                 traj.tool_calls.append(ToolCall(name=name, args=args, kwargs=kwargs, result=_clip(result, text),
-                                                error=error, seconds=round(time.monotonic() - t1, 4)))
+                                                error=error, seconds=round(time.monotonic() - t1, 4),
+                                                after_calls=len(traj.calls)))
                 if error is not None:
                     await reply({"id": mid, "error": error, "fatal": False, "state": env.public_state()})
                     if getattr(env, "fatal_error", None):
                         return env.fatal_error
                 else:
                     await reply({"id": mid, "ok": result, "state": env.public_state()})
+            elif op == "mark":  # completion.use() / .discard(): whether a returned call is trained
+                refused = record_mark(traj, msg.get("call"), msg.get("used"), msg.get("text"))
+                await reply({"id": mid, "error": refused, "fatal": False} if refused else {"id": mid, "ok": True})
             else:
                 forged += 1
                 if forged > MAX_FORGED:

@@ -13,6 +13,7 @@ Protocol (JSON lines):
   fork server -> parent, unprompted: {"op": "exit", "episode": id, "status": int}
 - episode socket, harness process <-> parent:
   child: {"id": n, "op": "llm", "args": {...}} | {"id": n, "op": "tool", "name", "args", "kwargs"}
+         | {"id": n, "op": "mark", "call": k, "used": bool, "text": str}  (k-th completion returned)
          | {"op": "done", "error": str|null, "stdout": str}
   parent: {"id": n, "ok": value, "state": {...}} | {"id": n, "error": str, "fatal": bool}
 
@@ -59,14 +60,31 @@ class BudgetExceeded(SandboxError):
 
 
 class Completion(str):
-    """Model output: a `str`, plus .finish_reason, .tool_calls and .usage."""
+    """Model output: a `str`, plus .finish_reason, .tool_calls and .usage.
 
-    def __new__(cls, text, finish_reason="stop", tool_calls=None, usage=None):
+    `use()` / `discard()` tell the parent to train on this completion (if the episode is accepted)
+    or not, overriding its default rule (trained only when the text reached an action, the answer
+    or a later used call). Call them on the object `llm` returned: `str` methods return plain strings.
+    """
+
+    def __new__(cls, text, finish_reason="stop", tool_calls=None, usage=None, mark=None):
         obj = super().__new__(cls, text)
         obj.finish_reason = finish_reason
         obj.tool_calls = tool_calls
         obj.usage = usage or {}
+        obj._mark = mark
         return obj
+
+    def use(self):
+        self._send_mark(True)
+
+    def discard(self):
+        self._send_mark(False)
+
+    def _send_mark(self, used):
+        if self._mark is None:
+            raise SandboxError("only a completion returned by llm() can be marked")
+        self._mark(used)
 
 
 class _TailBuffer(io.TextIOBase):
@@ -139,12 +157,22 @@ class _Env:
 
 
 def _make_llm(channel):
+    returned = [0]  # completions handed to the harness so far: the parent counts the same way
+
+    def marker(ordinal, text):
+        def mark(used):
+            channel.request({"op": "mark", "call": ordinal, "used": bool(used), "text": text})
+        return mark
+
     def llm(messages, *, max_tokens=None, stop=None, choices=None, n=1, tools=None, template_kwargs=None):
         args = {"messages": messages, "max_tokens": max_tokens, "stop": stop, "choices": choices, "n": n,
                 "tools": tools, "template_kwargs": template_kwargs}
         reply = channel.request({"op": "llm", "args": args})
-        outs = [Completion(o["text"], o.get("finish_reason", "stop"), o.get("tool_calls"), o.get("usage"))
-                for o in reply["ok"]]
+        outs = []
+        for o in reply["ok"]:
+            outs.append(Completion(o["text"], o.get("finish_reason", "stop"), o.get("tool_calls"), o.get("usage"),
+                                   marker(returned[0], o["text"])))
+            returned[0] += 1
         return outs if n > 1 else outs[0]
 
     return llm

@@ -3,7 +3,8 @@
 A `Trajectory` is the unit that flows everywhere: the weight phase turns the calls of accepted
 trajectories into training rows, the harness phase writes them into the archive as raw traces,
 evaluation averages their rewards. It is recorded by the parent, never reported by the harness,
-so a harness cannot forge what it was graded on.
+so a harness cannot forge what it was graded on. Each call says whether it is trained (`used`) and
+why (`use_reason`; the rule is in usage.py), so traces show what a weight step learns from.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class LLMCall:
     tool_calls: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
     sample_index: int = 0  # which of n samples of the same request
+    # Did this completion reach the episode's outcome (and so may be trained)? Decided by
+    # whale.harness.usage at the end of the episode; None in traces written before the rule.
+    used: bool | None = None
+    use_reason: str = ""
+    mark: bool | None = None  # the harness's completion.use() (True) / .discard() (False)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class ToolCall:
     result: Any
     error: str | None = None
     seconds: float = 0.0
+    after_calls: int | None = None  # LLM calls recorded before this tool call (None: unknown)
 
 
 @dataclass

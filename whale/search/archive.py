@@ -9,7 +9,7 @@ Meta-Harness's ablation found raw trace access to be what makes a proposer good 
       frontier.json            {weights_version: [Pareto points]}
       <id>/harness.py          the candidate
       <id>/meta.json           id, parent, proposer, hypothesis, mechanism, created, code_hash,
-                               status (pending|valid|invalid|duplicate), reason, ...
+                               source_sha256, status (pending|valid|invalid|duplicate), reason, ...
       <id>/scores.json         {weights_version: {success_rate, mean_llm_calls, mean_tokens, n,
                                rollouts, errors}}
       <id>/traces.jsonl        every harness-split episode (no token ids), tagged "scored_under"
@@ -21,13 +21,23 @@ elsewhere in the run directory. Scores are keyed by the weights version they wer
 and the archive outlives a harness phase on purpose (the released WHALE code starts each phase
 empty). Every write is atomic (tmp file + os.replace) and everything is reloaded from disk, so a
 killed run resumes with the archive exactly as the last completed write left it.
+
+Every source is pinned: `add_candidate` records the sha256 of the file's bytes as written (and
+makes it read-only), and `source()` refuses a file whose bytes no longer match, so code that was
+validated and scored is the code that runs later — whatever a proposer or a stray editor wrote
+into harnesses/ since. (`code_hash` is a different thing: a hash of the normalized AST, used to
+spot duplicates.) The pin lives in meta.json and in memory; whoever can rewrite both the file and
+meta.json between two loads defeats it, which is why proposers never see the real archive at all
+(docs/sandbox.md, "Proposer sandbox").
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -37,6 +47,9 @@ from whale.store import atomic_write
 
 STATUSES = ("pending", "valid", "invalid", "duplicate")
 
+
+class ArchiveIntegrityError(RuntimeError):
+    """An archived file no longer holds the bytes that were pinned when it was added."""
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -60,6 +73,10 @@ def code_hash(source: str) -> str:
     except SyntaxError:
         norm = "\n".join(line.rstrip() for line in source.replace("\r\n", "\n").split("\n")).strip()
     return hashlib.sha256(norm.encode()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def id_number(cid: str) -> int:
@@ -113,6 +130,9 @@ class Archive:
             self._meta[meta["id"]] = meta
             scores_path = meta_path.parent / "scores.json"
             self._scores[meta["id"]] = json.loads(scores_path.read_text()) if scores_path.exists() else {}
+            code = meta_path.parent / "harness.py"
+            if "source_sha256" not in meta and code.is_file():  # written before pinning: pin what is there
+                meta["source_sha256"] = _file_sha256(code)
 
     # ----- candidates -------------------------------------------------------------------------
     def ids(self) -> list[str]:
@@ -132,17 +152,30 @@ class Archive:
         return {v: dict(s) for v, s in self._scores[cid].items()}
 
     def source(self, cid: str) -> str:
-        self.meta(cid)
-        return (self.root / cid / "harness.py").read_text()
+        """The candidate's code, after checking its bytes against the sha256 pinned at add time."""
+        pinned = self.meta(cid).get("source_sha256", "")
+        path = self.root / cid / "harness.py"
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ArchiveIntegrityError(f"harness {cid}: cannot read {path}: {e}") from None
+        found = hashlib.sha256(data).hexdigest()
+        if found != pinned:
+            raise ArchiveIntegrityError(
+                f"harness {cid}: {path} changed on disk after it was archived (sha256 {found[:12]}, "
+                f"pinned {pinned[:12]}); refusing to run code that differs from what was validated")
+        return io.TextIOWrapper(io.BytesIO(data)).read()  # decoded exactly as Path.read_text would
 
     def add_candidate(self, source: str, parent: str | None, proposer: str, hypothesis: str = "",
                       mechanism: str = "", notes: str = "") -> str:
         cid = f"h{max((id_number(i) for i in self._meta), default=-1) + 1}"
-        folder = self.root / cid
-        atomic_write(folder / "harness.py", source)
+        path = self.root / cid / "harness.py"
+        atomic_write(path, source)
+        os.chmod(path, 0o444)  # a guard against accidents; the pin below is the guarantee
         meta = {"id": cid, "parent": parent, "proposer": proposer, "hypothesis": hypothesis,
                 "mechanism": mechanism, "notes": notes, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "code_hash": code_hash(source), "status": "pending", "reason": ""}
+                "code_hash": code_hash(source), "source_sha256": _file_sha256(path),
+                "status": "pending", "reason": ""}
         self._meta[cid] = meta
         self._scores[cid] = {}
         self._write_meta(cid)

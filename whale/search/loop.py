@@ -40,8 +40,9 @@ from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
 from whale.search.diagnose import diagnose_harness
 from whale.search.guard import null_probe
-from whale.search.proposers import ProposalContext
+from whale.search.proposal import ProposalContext
 from whale.search.validate import validate_candidate
+from whale.search.workspace import proposer_workspace_root
 
 
 @dataclass
@@ -67,13 +68,17 @@ class HarnessSearch:
         self.ledger_callback = ledger_callback
         self.null_runner = null_runner
         self._own_null_runner = False
-        self.workspace_root = Path(workspace_root) if workspace_root else archive.run_dir / "proposer"
+        self.workspace_root = Path(workspace_root) if workspace_root else \
+            proposer_workspace_root(cfg.harness.workspace_root, archive.run_dir)
         self.progress = progress
         self._problems: list | None = list(splits["harness"]) if splits is not None else None
         self._state: dict[str, Any] = {}
         self._resumed = False
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
+        # the candidate whose rollouts the next ledger_callback counts, so the caller can key each
+        # batch by the work that ran it (a batch run again after a kill is then recognised as redone)
+        self.subject: str | None = None
 
     # ----- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -182,6 +187,7 @@ class HarnessSearch:
         return self.archive.record_scores(cid, version, trajs, gold=gold)
 
     def _rescore(self, cid: str, version: str) -> float:
+        self.subject = cid
         scores = self.archive.scores(cid, version)
         reused = scores is not None
         if not reused:
@@ -195,7 +201,9 @@ class HarnessSearch:
         st = self._state
         version, incoming = st["weights_version"], st["incoming_id"]
         if st["pending"] is None or st["pending"]["iteration"] != it:
-            ids = self._propose(it, incoming, version)
+            ids = self._archived_round(it, incoming, version)
+            if ids is None:
+                ids = self._propose(it, incoming, version)
             st["pending"] = {"iteration": it, "ids": ids}
             self._emit({"event": "proposals", "iteration": it, "ids": ids})
         rates = []
@@ -206,11 +214,23 @@ class HarnessSearch:
                 rates.append(scores["success_rate"])
         return rates
 
+    def _tag(self, it: int, incoming: str, version: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
+
+    def _archived_round(self, it: int, incoming: str, version: str) -> list[str] | None:
+        """The candidate ids of iteration `it` when its proposals were archived before a kill cut
+        the state save that would have marked them pending (so the proposer is not asked twice)."""
+        path = self.archive.root / "_proposals" / self._tag(it, incoming, version) / "round.json"
+        if not path.exists():
+            return None
+        ids = json.loads(path.read_text()).get("ids", [])
+        return ids if all(cid in self.archive.ids() for cid in ids) else None
+
     def _propose(self, it: int, incoming: str, version: str) -> list[str]:
         m = self.cfg.harness.candidates_per_iteration
         prompt_only = self.cfg.harness.prompt_only
         base = self.archive.source(incoming)
-        tag = re.sub(r"[^A-Za-z0-9._-]", "_", f"p{self._state['phase']:02d}-{version}-{incoming}-it{it:02d}")
+        tag = self._tag(it, incoming, version)
         leaders = list(dict.fromkeys([incoming] + self.archive.ranking(version)[:1]))
         diagnoses = {cid: diagnose_harness(self.archive, cid, version, self.domain.name).text() for cid in leaders}
         brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
@@ -246,6 +266,7 @@ class HarnessSearch:
 
     def _handle(self, cid: str, it: int, version: str) -> None:
         """Validate and evaluate one pending candidate (already handled ones are left alone)."""
+        self.subject = cid
         meta = self.archive.meta(cid)
         row = {"iteration": it, "id": cid, "parent": meta["parent"], "mechanism": meta["mechanism"]}
         if meta["status"] != "pending":  # handled before a kill: report it again, in case its row was lost
@@ -312,6 +333,7 @@ class HarnessSearch:
 
     def _fresh(self, cid: str, version: str) -> dict[str, float]:
         """Per-problem success on new seeds (ledger purpose `confirm`), cached in meta.json."""
+        self.subject = cid
         key = self._decision_key(version)
         cached = (self.archive.meta(cid).get("confirm") or {}).get(key)
         if cached is not None:
@@ -329,6 +351,7 @@ class HarnessSearch:
 
     def _probe(self, cid: str, version: str, fresh: dict[str, float] | None) -> dict[str, Any]:
         """The null probe against fresh real samples (cached per decision in meta.json)."""
+        self.subject = cid
         key = self._decision_key(version)
         probes = dict(self.archive.meta(cid).get("null_probe") or {})
         if key in probes:

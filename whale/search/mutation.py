@@ -39,7 +39,7 @@ from whale.config import Config
 from whale.search import mutation_blocks as B
 from whale.search.archive import code_hash
 from whale.search.diagnose import Diagnosis, diagnose_harness
-from whale.search.proposers import Proposal
+from whale.search.proposal import Proposal
 from whale.search.validate import static_check
 
 MARK = "# --- mutation: {} ---"

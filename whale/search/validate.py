@@ -61,14 +61,28 @@ def _check_contract(tree: ast.Module) -> str | None:
     required = len(positional) - len(run.args.defaults)
     if len(positional) < 2 or required > 2 or any(d is None for d in run.args.kw_defaults):
         return "run must take exactly two positional parameters: run(env, llm)"
+    return None
+
+
+def check_prompt_constants(tree: ast.Module) -> str | None:
+    """Prompt-only search edits SYSTEM_PROMPT and USER_PROMPT, so there both must be string literals.
+
+    Everywhere else a harness needs only `run(env, llm)` (DESIGN §4): the constants are a
+    convention h0 follows, not part of the contract.
+    """
     consts = _module_string_constants(tree)
     for name in PROMPT_NAMES:
         node = consts.get(name)
         if node is None:
-            return f"defines no module-level {name} string constant"
+            return f"prompt-only search needs a module-level {name} string constant; this file defines none"
         if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
-            return f"{name} must be a string literal"
+            return f"prompt-only search needs {name} to be a string literal"
     return None
+
+
+def prompt_only_search(cfg: Config) -> bool:
+    """Whether this config's harness search may edit only the prompt constants."""
+    return cfg.harness.prompt_only or cfg.schedule.kind == "prompt_only"
 
 
 def _check_imports(tree: ast.Module, cfg: Config) -> str | None:
@@ -155,7 +169,11 @@ def check_leaks(source: str, problems: list, base_source: str | None = None) -> 
 
 def static_check(source: str, cfg: Config, *, base_source: str | None = None, prompt_only: bool = False,
                  harness_problems: list | None = None) -> str | None:
-    """Every check that needs no execution; returns the reason for rejection or None."""
+    """Every check that needs no execution; returns the reason for rejection or None.
+
+    The prompt constants are required when `prompt_only` is asked for or the config's search is
+    prompt-only (so `harness.initial` of a prompt-only run is checked for them too).
+    """
     size = len(source.encode())
     if size == 0:
         return "empty file"
@@ -168,6 +186,10 @@ def static_check(source: str, cfg: Config, *, base_source: str | None = None, pr
     for check in (_check_contract(tree), _check_imports(tree, cfg)):
         if check:
             return check
+    if prompt_only or prompt_only_search(cfg):
+        reason = check_prompt_constants(tree)
+        if reason:
+            return reason
     if prompt_only:
         if base_source is None:
             raise ValueError("prompt-only validation needs base_source")

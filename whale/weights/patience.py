@@ -25,6 +25,10 @@ class WeightPatience:
         self.best: float | None = None
         self.best_step = 0  # number of steps seen when the best was set
 
+    def reset(self) -> None:
+        """A new weight phase: its signal starts from nothing (the rule is per phase)."""
+        self.rewards, self.best, self.best_step = [], None, 0
+
     @property
     def steps(self) -> int:
         return len(self.rewards)

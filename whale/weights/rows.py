@@ -6,11 +6,20 @@ sequences that earned the reward. So a row is `prompt_ids + completion_ids` of r
 with loss only on `completion_ids`. EOS is in `completion_ids` only when it was generated; a
 `length` finish has none and we add none.
 
+Only calls that reached the episode's outcome are trained (`LLMCall.used`, decided by
+whale.harness.usage): a completion counts when it produced an action (a tool argument, the
+submitted answer, the moves played) or was carried into a later used call's prompt; the `n`
+siblings a harness did not keep, retries it dropped and single-`choices` calls are not trained,
+and a harness can override with `completion.use()` / `completion.discard()`. An accepted episode
+whose calls are all unused gives no rows.
+
 Multi-turn episodes: when a call's prompt starts with the full ids (prompt + completion) of an
-earlier call of the same episode, the two merge into one sequence with two loss spans — the
+earlier used call of the same episode, the two merge into one sequence with two loss spans — the
 tokens in between (tool output, the next user turn, template glue) get mask 0. This is verl's
 response mask, and it trains the earlier turn once instead of twice. Calls that do not extend an
-earlier sequence (a fresh conversation, one of `n` parallel samples) become rows of their own.
+earlier sequence (a fresh conversation, one of `n` parallel samples) become rows of their own. An
+unused call never starts or extends a sequence: when a later prompt contains its ids they are
+glue (mask 0) of that later call, when no later prompt does they appear nowhere.
 
 Rows are persisted (jsonl, atomic) before training, so a run killed mid-training resumes by
 training on the saved rows instead of redoing the rollouts.
@@ -25,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from whale.harness.trajectory import Trajectory
+from whale.harness.usage import decide_usage
 
 
 @dataclass
@@ -51,13 +61,15 @@ def trajectory_key(traj: Trajectory) -> str:
 def rows_from_trajectory(traj: Trajectory, max_length: int | None = None) -> list[TrainingRow]:
     """Turn the recorded calls of one episode into training rows (see the module docstring).
 
-    Skipped: calls without ids (an engine that cannot return them), calls that errored, and
-    calls with an empty completion (nothing to train on).
+    Skipped: unused calls, calls without ids (an engine that cannot return them), calls that
+    errored, and calls with no completion ids (nothing to train on).
     """
+    decide_usage(traj)  # no-op when the runner decided already; old traces are decided here
     key = trajectory_key(traj)
     seqs: list[tuple[list[int], list[int]]] = []  # (ids, mask), in order of first appearance
     for call in traj.calls:
-        if call.finish_reason == "error" or not call.prompt_ids or not call.completion_ids:
+        if (not call.used or call.finish_reason == "error" or not call.prompt_ids
+                or not call.completion_ids):
             continue
         prompt, completion = list(call.prompt_ids), list(call.completion_ids)
         target = None

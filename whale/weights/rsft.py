@@ -4,14 +4,24 @@
     trajs = runner.run(harness, problems, k, purpose="weight")  # the same runner as everywhere
     accepted = [t for t in trajs if t.reward > threshold]    # binary verifier, threshold 0.5
     rows = rows_from_trajectories(accepted)                  # the ids actually sampled
-    save_rows(rows_dir / f"step_{i}.jsonl", rows)            # before training (resume point)
-    trainer.train_step(rows); engine.load_weights(...)       # skipped when nothing was accepted
+    on_rollouts(meta); save_rows(rows_dir / f"step_{i}.jsonl", rows)  # counted, then persisted
+    trainer.train_step(rows); trainer.save(weights_dir / f"w{i}")      # skipped when nothing was accepted
+    engine.load_weights(...)
 
-Nothing accepted means no optimizer step and no weight push, as in the paper's code. Rows (and a
-small meta file with the rollout counts) are persisted before training: a step re-entered after a
-kill mid-training finds them, skips the rollouts and trains on the same rows, so neither rollouts
-nor ledger entries are redone. The problem stream is drawn either way, so the sequence of prompt
-batches does not depend on where a run was interrupted.
+Nothing accepted means no optimizer step and no weight push, as in the paper's code.
+
+The step is the weight phase's resume unit, and all of its resume logic lives here:
+- the caller saves `stream.state_dict()` only once the step is complete, so a step re-entered
+  after a kill draws the same prompt batch (the stream is drawn either way, so the sequence of
+  batches never depends on where a run was interrupted);
+- `on_rollouts(meta)` (the ledger) is called *before* the rows are written: the ledger is never
+  behind the disk. A kill between the two redoes the rollouts, which the ledger, seeing the
+  step's key again, records as redone;
+- rows (and a small meta file with the rollout counts) are persisted before training: a step
+  re-entered after a kill mid-training finds them, skips the rollouts and trains on the same rows
+  from the checkpoint of the previous step, so neither rollouts nor ledger entries are redone;
+- the new weights are saved to `weights_dir / w<step>` (adapter or full checkpoint, with the
+  optimizer and RNG state) before the step returns, so the state that names them can be saved next.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from typing import Any, Callable
 from whale.config import WeightConfig
 from whale.domains.base import Problem
 from whale.harness.trajectory import Trajectory
+from whale.store import kill_point
 from whale.weights.rows import load_rows, rows_from_trajectories, save_rows
 
 
@@ -122,10 +133,11 @@ class StepResult:
 class RSFT:
     """The weight phase's step. See the module docstring.
 
-    `weights_dir` is needed only when the engine does not serve the trainer's model object (a
-    vLLM server): the new adapter is then saved there and the engine told to load it.
-    `on_rollouts(meta)` is called once the rows are on disk and before training, so the caller can
-    write its ledger entries at the same point that makes the step resumable.
+    `weights_dir` receives every trained version (`w<step>`): the checkpoint resume restores and,
+    when the engine does not serve the trainer's model object (a vLLM server), what it loads.
+    Without one (tests of the in-place path) nothing is saved.
+    `on_rollouts(meta)` is called once per step that ran rollouts, before its rows are written, so
+    the caller's ledger counts them at the point that makes the step resumable (see above).
     """
 
     def __init__(self, runner: Any, trainer: Any, engine: Any, cfg: WeightConfig, stream: ProblemStream,
@@ -152,36 +164,13 @@ class RSFT:
 
     def step(self, step_index: int, seed: int) -> StepResult:
         problems = next(self.stream)
-        rows_path = self.rows_path(step_index)
-        meta_path = rows_path.with_suffix(".meta.json")
+        saved = self._saved_rows(step_index, problems)
         trajs: list[Trajectory] = []
-        resumed = rows_path.exists() and meta_path.exists()
-        if resumed:
-            rows = load_rows(rows_path)
-            meta = json.loads(meta_path.read_text())
-            if meta.get("problem_ids") != [p.id for p in problems]:
-                raise ValueError(f"{rows_path} was made from other problems than the stream now yields; "
-                                 "the problem stream state and the saved rows are out of sync")
+        if saved is not None:
+            rows, meta = saved
         else:
-            t0 = time.perf_counter()
-            trajs = self.runner.run(self.harness_source, problems, self.cfg.samples_per_problem,
-                                    harness_id=self.harness_id, seed=seed, purpose="weight",
-                                    progress=f"weight step {step_index}")
-            accepted = [t for t in trajs if t.reward > self.cfg.accept_threshold]
-            rows = rows_from_trajectories(accepted, self.cfg.max_length)
-            meta = {
-                "step": step_index, "harness_id": self.harness_id, "rollouts": len(trajs),
-                "accepted": len(accepted), "rows": len(rows), "gen_seconds": time.perf_counter() - t0,
-                "llm_calls": sum(len(t.calls) for t in trajs),
-                "prompt_tokens": sum(t.prompt_tokens for t in trajs),
-                "completion_tokens": sum(t.completion_tokens for t in trajs),
-                "problem_ids": [p.id for p in problems],
-            }
-            _write_json_atomic(meta_path, meta)  # meta first: the rows file marks completion
-            save_rows(rows_path, rows)
-            if self.on_rollouts is not None:
-                self.on_rollouts(meta)
-
+            trajs, rows, meta = self._rollouts(step_index, problems, seed)
+        resumed = saved is not None
         result = StepResult(
             step=step_index, accept_rate=meta["accepted"] / max(meta["rollouts"], 1),
             accepted=meta["accepted"], rollouts=meta["rollouts"], rows=len(rows), trained_tokens=0,
@@ -205,17 +194,53 @@ class RSFT:
         result.reason = "trained on saved rows (resumed)" if resumed else "trained"
         return result
 
+    def _saved_rows(self, step_index: int, problems: list[Problem]) -> tuple[list, dict[str, Any]] | None:
+        """Rows and meta an interrupted attempt at this step left on disk, or None."""
+        rows_path = self.rows_path(step_index)
+        meta_path = rows_path.with_suffix(".meta.json")
+        if not (rows_path.exists() and meta_path.exists()):
+            return None
+        meta = json.loads(meta_path.read_text())
+        if meta.get("problem_ids") != [p.id for p in problems]:
+            raise ValueError(f"{rows_path} was made from other problems than the stream now yields; "
+                             "the problem stream state and the saved rows are out of sync")
+        return load_rows(rows_path), meta
+
+    def _rollouts(self, step_index: int, problems: list[Problem], seed: int) -> tuple[list, list, dict[str, Any]]:
+        t0 = time.perf_counter()
+        trajs = self.runner.run(self.harness_source, problems, self.cfg.samples_per_problem,
+                                harness_id=self.harness_id, seed=seed, purpose="weight",
+                                progress=f"weight step {step_index}")
+        accepted = [t for t in trajs if t.reward > self.cfg.accept_threshold]
+        rows = rows_from_trajectories(accepted, self.cfg.max_length)
+        meta = {
+            "step": step_index, "harness_id": self.harness_id, "rollouts": len(trajs),
+            "accepted": len(accepted), "rows": len(rows), "gen_seconds": time.perf_counter() - t0,
+            "llm_calls": sum(len(t.calls) for t in trajs),
+            "prompt_tokens": sum(t.prompt_tokens for t in trajs),
+            "completion_tokens": sum(t.completion_tokens for t in trajs),
+            "problem_ids": [p.id for p in problems],
+        }
+        if self.on_rollouts is not None:
+            self.on_rollouts(meta)  # counted before persisted: the ledger is never behind the disk
+        rows_path = self.rows_path(step_index)
+        _write_json_atomic(rows_path.with_suffix(".meta.json"), meta)  # meta first: the rows file marks completion
+        save_rows(rows_path, rows)
+        kill_point(f"rows@w{step_index}")
+        return trajs, rows, meta
+
     def _push(self, version: str) -> None:
-        """In place (hf engine serving the trainer's model): only the version tag changes.
-        Otherwise save the adapter/checkpoint and have the engine load it."""
+        """Checkpoint the new version (resume restores it), then serve it: in place (hf engine
+        serving the trainer's model) only the version tag changes; otherwise the engine loads the
+        saved adapter/checkpoint."""
+        path = self.trainer.save(self.weights_dir / version, version) if self.weights_dir is not None else None
         if self.engine.weight_sync == "in_place":  # the engine serves the trainer's model object
             self.engine.load_weights(None, version)
             self.trainer.version = version
             return
-        if self.weights_dir is None:
+        if path is None:
             raise ValueError("the engine does not serve the trained model in place; RSFT needs a weights_dir "
                              "to save the new weights for it")
-        path = self.trainer.save(self.weights_dir / version, version)
         self.engine.load_weights(str(path), version)
 
 

@@ -18,6 +18,19 @@ logits exists at a time, forward or backward. Prompt and tool-output positions a
 Architectures whose logits are not a plain `lm_head(hidden)` (soft-capping, logit scaling) fall back
 to the full-logits path; both give the same loss (tested).
 
+fp32 master weights: a model served in bf16 (the hf engine's "auto" dtype on CUDA, vLLM) cannot
+be updated in bf16. bf16 keeps 8 significant bits, so an Adam step of ~lr = 1e-7 (the paper's
+full fine-tuning rate) on a weight of 0.02 (spacing 1.2e-4) rounds to no change at all, step after
+step. Every trainable parameter stored below fp32 therefore gets an fp32 master copy: gradients
+are accumulated into the master in fp32 after each micro-batch, the optimizer (and its state)
+updates the masters, and the rounded result is copied into the served parameter after each step,
+so the engine serving that object sees it at once. The masters are saved next to the weights
+(`fp32_master/`) so a resume continues from them, not from the rounded copy. peft
+already keeps LoRA adapters in fp32 on a bf16 base (`autocast_adapter_dtype`), so LoRA needs no
+masters; the same rule would cover it if it did. Cost: 4 bytes per low-precision trainable
+parameter for the master, and Adam's two moments in fp32 instead of bf16 (+4), i.e. full bf16
+fine-tuning holds 14 instead of 6 bytes per parameter besides activations.
+
 LoRA (our deviation from the paper's full fine-tuning, recorded in research/stack.md §2): all
 linear layers of the language model, never the lm_head, never a vision tower, no `modules_to_save`,
 so the adapter stays a plain PEFT folder that vLLM can load at runtime.
@@ -34,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from whale.config import LoraConfig, WeightConfig
@@ -42,6 +56,8 @@ from whale.weights.rows import TrainingRow
 # Module-name parts that mark a non-language tower of a multimodal model.
 _NON_TEXT_PARTS = ("visual", "vision", "multi_modal_projector", "mm_projector", "audio")
 # Config keys that make logits something other than lm_head(hidden): chunked CE would be wrong.
+# In a subfolder: vLLM (and other loaders) read every top-level *.safetensors of a checkpoint.
+MASTERS_FILE = "fp32_master/master_weights.safetensors"
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
@@ -148,10 +164,15 @@ class Trainer:
             self._base().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if cfg.finetune == "lora":
                 self.model.enable_input_require_grads()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         if not self.params:
             raise ValueError("nothing to train: the model has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # fp32 masters of the parameters stored in lower precision (module docstring)
+        self.masters = {n: p.detach().float().clone() for n, p in named if p.dtype != torch.float32}
+        self._low_precision = [(p, self.masters[n]) for n, p in named if n in self.masters]
+        self.optimized = [self.masters.get(n, p) for n, p in named]  # what AdamW updates
+        self.optimizer = torch.optim.AdamW(self.optimized, lr=cfg.lr, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
@@ -246,6 +267,20 @@ class Trainer:
         m = self.cfg.mini_batch_trajectories
         return [[r for k in keys[i:i + m] for r in groups[k]] for i in range(0, len(keys), m)]
 
+    def _grads_to_masters(self) -> None:
+        """Add the low-precision gradients of the last backward into the fp32 masters."""
+        for p, master in self._low_precision:
+            if p.grad is not None:
+                grad = p.grad.float()
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                p.grad = None
+
+    @torch.no_grad()
+    def _masters_to_params(self) -> None:
+        """Round the fp32 masters into the served parameters (in place: the engine sees them)."""
+        for p, master in self._low_precision:
+            p.copy_(master)
+
     def train_step(self, rows: list[TrainingRow]) -> dict[str, float]:
         """One epoch over `rows`: one clipped optimizer step per mini-batch of trajectories."""
         if not rows:
@@ -262,11 +297,13 @@ class Trainer:
                     ids, attn, mask = self._collate(micro)
                     nll = self._nll_sum(ids, attn, mask)
                     (nll / n_loss).backward()
+                    self._grads_to_masters()
                     total_nll += float(nll.detach())
                     input_tokens += int(attn.sum())
                 max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
+                norms.append(float(torch.nn.utils.clip_grad_norm_(self.optimized, max_norm)))
                 self.optimizer.step()
+                self._masters_to_params()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_tokens += n_loss
@@ -274,6 +311,7 @@ class Trainer:
                 self.step += 1
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
             self.model.eval()
         return {
             "loss": total_nll / max(loss_tokens, 1),
@@ -308,6 +346,9 @@ class Trainer:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
         torch.save(state, tmp / "trainer_state.pt")
+        if self.masters:
+            (tmp / MASTERS_FILE).parent.mkdir()
+            save_file(self.masters, tmp / MASTERS_FILE)
         old = directory.with_name(directory.name + ".old")
         if directory.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -318,9 +359,9 @@ class Trainer:
         return directory
 
     def load(self, directory: str | Path) -> str:
-        """Restore weights, optimizer, scheduler, step and RNG from `save`; returns the version."""
-        from safetensors.torch import load_file
-
+        """Restore weights, fp32 masters, optimizer, scheduler, step and RNG from `save`; returns
+        the version. A checkpoint without masters (saved before they existed) restarts them from
+        the weights."""
         directory = Path(directory)
         state_path = directory / "trainer_state.pt"
         if not state_path.exists():
@@ -352,6 +393,7 @@ class Trainer:
             if result.unexpected_keys or untied:
                 raise ValueError(f"{directory}: weights do not fit this model "
                                  f"(unexpected {result.unexpected_keys[:3]}, missing {untied[:3]})")
+        self._load_masters(directory)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
@@ -361,6 +403,25 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.version = state["version"]
         return self.version
+
+
+    def _load_masters(self, directory: Path) -> None:
+        path = directory / MASTERS_FILE
+        if not self.masters:
+            return
+        if not path.exists():
+            with torch.no_grad():
+                for p, master in self._low_precision:
+                    master.copy_(p.float())
+            return
+        saved = load_file(path, device=str(self.device))
+        if set(saved) != set(self.masters):
+            raise ValueError(f"{path}: master weights do not fit this model "
+                             f"(differ in {sorted(set(saved) ^ set(self.masters))[:3]})")
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                master.copy_(saved[name])
+        self._masters_to_params()
 
 
 def _chunk_nll_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

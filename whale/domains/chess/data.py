@@ -9,7 +9,10 @@ the splits are full, so the default sizes are all mate-in-1, the only tactic a 1
 any skill at (research/offline-assets.md §8); "all" every puzzle. `max_rating`, `min_rating`,
 `themes` (any-of) and `max_plies` (solution plies, default 9 as in the paper) filter further.
 
-Splits are disjoint by position (FEN), deterministic from the seed, and dealt test first.
+Splits are disjoint by position, deterministic from the seed, and dealt test first. A position
+is any one the solver faces along the line (after moves[0], moves[2], ...; board, side, castling,
+en passant): a puzzle that starts where another one's line passes is the same exercise from its
+second move, so puzzles sharing a solver position (transitively) form one group, dealt whole.
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ from typing import Any, Iterable, Iterator
 
 import chess
 
-from whale.domains.base import SPLITS, Problem
+from whale.domains.base import DEAL_ORDER, SPLITS, Problem, content_groups, deal_groups
 
 PUZZLE_FILE = Path(__file__).with_name("puzzles.jsonl")
-DEAL_ORDER = ("test", "val", "harness", "weight")
 SLICES = ("mateIn1", "easy", "all")
 MATE_THEMES = ("mateIn1", "mateIn2", "mateIn3", "mateIn4", "mateIn5")
 
@@ -222,6 +224,19 @@ def select(records: Iterable[dict[str, Any]], filt: PuzzleFilter, total: int, se
     return [rec for _, _, rec in sorted(heap, key=lambda it: -it[1])]
 
 
+def solver_positions(rec: dict[str, Any]) -> list[str]:
+    """The positions the solver moves in (move counters dropped); a move that does not apply ends the list."""
+    board, out = chess.Board(rec["fen"]), []
+    for i, uci in enumerate(rec["moves"]):
+        try:
+            board.push_uci(uci)
+        except ValueError:
+            break
+        if i % 2 == 0:
+            out.append(" ".join(board.fen().split()[:4]))
+    return out
+
+
 def build_splits(records: Iterable[dict[str, Any]], sizes: dict[str, int], seed: int,
                  filt: PuzzleFilter, where: str) -> dict[str, list[Problem]]:
     total = sum(sizes.values())
@@ -232,10 +247,7 @@ def build_splits(records: Iterable[dict[str, Any]], sizes: dict[str, int], seed:
                          "or widen domain.options (slice: all, max_rating)")
     # `chosen` is in seeded hash order with the tiers mixed; dealing test first keeps the test set
     # unchanged when only the weight split grows (unless that pulls in puzzles of a later tier).
-    out: dict[str, list[Problem]] = {}
-    start = 0
-    for split in DEAL_ORDER:
-        out[split] = [make_problem(r["id"], r["fen"], r["moves"], r["rating"], r["themes"])
-                      for r in chosen[start : start + sizes[split]]]
-        start += sizes[split]
-    return {split: out[split] for split in SPLITS}
+    groups = content_groups(chosen, solver_positions)
+    dealt = deal_groups(groups, sizes, DEAL_ORDER, where)
+    return {split: [make_problem(r["id"], r["fen"], r["moves"], r["rating"], r["themes"]) for r in dealt[split]]
+            for split in SPLITS}

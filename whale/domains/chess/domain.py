@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.config import Config
-from whale.domains.base import Problem, split_sizes
+from whale.config import Config, ConfigError
+from whale.domains.base import Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.chess import data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
@@ -34,15 +34,29 @@ choices=[...]) samples exactly one of them), annotating moves that give check/ma
 """
 
 
+GRADERS = ("default", "line")
+LICHESS = "domain.source: lichess"
+
+
+def _lichess(d) -> bool:
+    return d.source == "lichess"
+
+
+FIELDS = {
+    "data_path": Setting("the Lichess puzzle CSV/parquet or an HF dataset id", LICHESS, _lichess),
+    "budget.invalid_moves": Setting("refused moves before the episode ends"),
+}
 OPTIONS = {
-    "slice": "mateIn1 | easy (offline default: mate-in-1 first, then mate-in-2, then low-rated) | all (lichess default)",
-    "max_rating": "drop puzzles rated above this",
-    "min_rating": "drop puzzles rated below this",
-    "easy_rating": "easy slice: other puzzles up to this rating (default 1200)",
-    "max_plies": "most solution plies, counting both sides after the first move (default 9, as in the paper)",
-    "themes": "keep puzzles with any of these Lichess themes (a name or a list)",
-    "hf_split": "HF dataset split (default train)",
-    "hf_revision": "HF dataset revision; pin it, the schema changed between versions",
+    "slice": Setting("mateIn1 | easy (offline default: mate-in-1 first, then mate-in-2, then low-rated) | "
+                     "all (lichess default)"),
+    "max_rating": Setting("drop puzzles rated above this"),
+    "min_rating": Setting("drop puzzles rated below this"),
+    "easy_rating": Setting("easy slice: other puzzles up to this rating (default 1200)", "domain.options.slice: easy",
+                           lambda d: d.options.get("slice", "easy" if d.source == "offline" else "all") == "easy"),
+    "max_plies": Setting("most solution plies, counting both sides after the first move (default 9, as in the paper)"),
+    "themes": Setting("keep puzzles with any of these Lichess themes (a name or a list)"),
+    "hf_split": Setting("HF dataset split (default train)", LICHESS, _lichess),
+    "hf_revision": Setting("HF dataset revision; pin it, the schema changed between versions", LICHESS, _lichess),
 }
 
 
@@ -57,12 +71,12 @@ class ChessDomain:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.options: dict[str, Any] = dict(cfg.domain.options)
-        unknown = sorted(set(self.options) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"chess: unknown domain.options {unknown}; known: {', '.join(OPTIONS)}")
         self.source = cfg.domain.source
         if self.source not in SOURCES:
             raise ValueError(f"chess: unknown domain.source '{self.source}'; choose offline or lichess")
+        if cfg.domain.grader not in GRADERS:
+            raise ConfigError(f"chess: domain.grader must be one of {list(GRADERS)} (got {cfg.domain.grader!r})")
+        refuse_unread_settings("chess", cfg.domain, FIELDS, OPTIONS)
         default_slice = "easy" if self.source == "offline" else "all"
         self.filter = data.PuzzleFilter(self.options, default_slice)
         slice_note = {"mateIn1": "mate-in-1 only", "easy": "easy slice: mate-in-1 first, then mate-in-2, "

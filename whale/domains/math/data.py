@@ -5,23 +5,28 @@ so RSFT on GSM8K alone would accept nothing. Arithmetic a small model can someti
 especially with a Python tool, gives the weight phase a signal. GSM8K stays in the mix (default 5%)
 so per-source breakdowns show the harder task too.
 
-Splits are disjoint by content (normalised question text), deterministic from the seed, and dealt
-test first, then val, harness, weight: growing the weight split never changes the test set.
+Splits are disjoint by content, deterministic from the seed, and dealt test first, then val,
+harness, weight: growing the weight split never changes the test set. Content is the CANONICAL
+EXPRESSION for generated problems, not the phrasing: "What is 7 * 8?", "Compute 8 times 7." and
+"A box holds 7 cards. How many cards are in 8 boxes?" are one problem (`(7*8)`), so the generator
+keeps one problem per expression and no product reaches two splits in other words. Operands of
++ and * are sorted, so a + b*c and c*b + a agree; - and / keep their order. Vendored GSM8K and
+real data have no expression: their key is the normalised question text.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
-from whale.domains.base import SPLITS, Problem, read_jsonl
+from whale.domains.base import DEAL_ORDER, SPLITS, Problem, read_jsonl
 
 GSM8K_FILE = Path(__file__).with_name("gsm8k_test100.jsonl")
-DEAL_ORDER = ("test", "val", "harness", "weight")
 GENERATED = ("arith_add", "arith_mul", "arith_mixed", "word")
 OFFLINE_SOURCES = GENERATED + ("gsm8k",)
 DEFAULT_MIX = {"arith_add": 0.3, "arith_mul": 0.2, "arith_mixed": 0.25, "word": 0.2, "gsm8k": 0.05}
@@ -32,9 +37,14 @@ def normalize_question(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
-def content_key(seed: int, text: str) -> str:
-    """A seeded, content-derived sort key: the same question always lands in the same place."""
-    return hashlib.sha256(f"{seed}\x00{normalize_question(text)}".encode()).hexdigest()
+def content_key(problem: Problem) -> str:
+    """What makes two problems the same: the canonical expression, else the normalised text."""
+    return problem.meta.get("expression") or normalize_question(problem.question)
+
+
+def shuffle_key(seed: int, problem: Problem) -> str:
+    """A seeded, content-derived sort key: the same problem always lands in the same place."""
+    return hashlib.sha256(f"{seed}\x00{content_key(problem)}".encode()).hexdigest()
 
 
 def _problem(source: str, question: str, answer: str, **meta: Any) -> Problem:
@@ -43,92 +53,120 @@ def _problem(source: str, question: str, answer: str, **meta: Any) -> Problem:
 
 
 # ---------------------------------------------------------------------------------------------
-# Generator. Each function draws one (question, answer) from `rng`; integers stay small.
+# Generator. Each function draws one (question, answer, canonical expression) from `rng`;
+# integers stay small.
 # ---------------------------------------------------------------------------------------------
+
+def add(*terms: Any) -> str:
+    return "(" + "+".join(sorted(map(str, terms))) + ")"
+
+
+def mul(*factors: Any) -> str:
+    return "(" + "*".join(sorted(map(str, factors))) + ")"
+
+
+def sub(a: Any, b: Any) -> str:
+    return f"({a}-{b})"
+
+
+def div(a: Any, b: Any) -> str:
+    return f"({a}/{b})"
+
 
 NAMES = ["Tom", "Sara", "Ben", "Mia", "Leo", "Ana", "Sam", "Eva", "Max", "Lily", "Omar", "Zoe"]
 ITEMS = ["apples", "pencils", "marbles", "stickers", "books", "cookies", "cards", "shells", "coins"]
 
 
-def _arith_add(rng: random.Random) -> tuple[str, int]:
+def _arith_add(rng: random.Random) -> tuple[str, int, str]:
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     if rng.random() < 0.5:
         q = rng.choice(["What is {a} + {b}?", "Compute {a} + {b}.", "Calculate {a} plus {b}."])
-        return q.format(a=a, b=b), a + b
+        return q.format(a=a, b=b), a + b, add(a, b)
     a, b = max(a, b), min(a, b)
     q = rng.choice(["What is {a} - {b}?", "Compute {a} - {b}.", "Calculate {a} minus {b}."])
-    return q.format(a=a, b=b), a - b
+    return q.format(a=a, b=b), a - b, sub(a, b)
 
 
-def _arith_mul(rng: random.Random) -> tuple[str, int]:
+def _arith_mul(rng: random.Random) -> tuple[str, int, str]:
     a, b = rng.randint(2, 19), rng.randint(2, 12)
     if rng.random() < 0.6:
         q = rng.choice(["What is {a} * {b}?", "Compute {a} times {b}.", "Calculate {a} * {b}."])
-        return q.format(a=a, b=b), a * b
+        return q.format(a=a, b=b), a * b, mul(a, b)
     q = rng.choice(["What is {p} / {b}?", "Compute {p} divided by {b}.", "Calculate {p} / {b}."])
-    return q.format(p=a * b, b=b), a
+    return q.format(p=a * b, b=b), a, div(a * b, b)
 
 
-def _arith_mixed(rng: random.Random) -> tuple[str, int]:
+def _arith_mixed(rng: random.Random) -> tuple[str, int, str]:
     a, b, c = rng.randint(2, 20), rng.randint(2, 12), rng.randint(1, 30)
     form = rng.randrange(4)
     if form == 0:
-        expr, value = f"{a} * {b} + {c}", a * b + c
+        expr, value, key = f"{a} * {b} + {c}", a * b + c, add(mul(a, b), c)
     elif form == 1:
-        expr, value = f"{a} * {b} - {c}", a * b - c
+        expr, value, key = f"{a} * {b} - {c}", a * b - c, sub(mul(a, b), c)
     elif form == 2:
-        expr, value = f"({a} + {c}) * {b}", (a + c) * b
+        expr, value, key = f"({a} + {c}) * {b}", (a + c) * b, mul(add(a, c), b)
     else:
-        expr, value = f"{a} + {b} * {c}", a + b * c
+        expr, value, key = f"{a} + {b} * {c}", a + b * c, add(a, mul(b, c))
     q = rng.choice(["What is {e}?", "Compute {e}.", "Calculate the value of {e}."])
-    return q.format(e=expr), value
+    return q.format(e=expr), value, key
 
 
-def _word(rng: random.Random) -> tuple[str, int]:
+def _word(rng: random.Random) -> tuple[str, int, str]:
     n, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b, c = rng.randint(2, 30), rng.randint(2, 20), rng.randint(2, 9)
     form = rng.randrange(6)
     if form == 0:
-        return f"{n} has {a} {item}. {n} gets {b} more. How many {item} does {n} have now?", a + b
+        return f"{n} has {a} {item}. {n} gets {b} more. How many {item} does {n} have now?", a + b, add(a, b)
     if form == 1:
         a = a + b
-        return f"{n} had {a} {item} and gave away {b}. How many {item} are left?", a - b
+        return f"{n} had {a} {item} and gave away {b}. How many {item} are left?", a - b, sub(a, b)
     if form == 2:
-        return f"A box holds {b} {item}. How many {item} are in {c} boxes?", b * c
+        return f"A box holds {b} {item}. How many {item} are in {c} boxes?", b * c, mul(b, c)
     if form == 3:
-        return f"{c} friends share {b * c} {item} equally. How many {item} does each friend get?", b
+        return (f"{c} friends share {b * c} {item} equally. How many {item} does each friend get?", b,
+                div(b * c, c))
     if form == 4:
-        return f"One pen costs {c} dollars. How many dollars do {b} pens cost?", b * c
+        return f"One pen costs {c} dollars. How many dollars do {b} pens cost?", b * c, mul(c, b)
     lost = rng.randint(1, b * c - 1)
     return (f"There are {c} bags with {b} {item} in each bag. {lost} {item} are lost. "
-            f"How many {item} are left?"), b * c - lost
+            f"How many {item} are left?"), b * c - lost, sub(mul(c, b), lost)
 
 
-GENERATORS: dict[str, Callable[[random.Random], tuple[str, int]]] = {
+GENERATORS: dict[str, Callable[[random.Random], tuple[str, int, str]]] = {
     "arith_add": _arith_add, "arith_mul": _arith_mul, "arith_mixed": _arith_mixed, "word": _word,
 }
 
 
-def generate(source: str, count: int, seed: int, exclude: set[str] | None = None) -> list[Problem]:
-    """`count` distinct problems from one generator, in a fixed order for (source, seed)."""
+GIVE_UP_AFTER = 5000  # draws in a row without a new expression: the generator is exhausted
+
+
+def expression_stream(source: str, seed: int, taken: set[str]) -> Iterator[Problem]:
+    """Problems of one generator with expressions not in `taken` (which grows), in a fixed order for (source, seed)."""
     if source not in GENERATORS:
         raise ValueError(f"unknown math generator '{source}'; choose from {', '.join(GENERATORS)}")
     rng = random.Random(f"whale-math:{seed}:{source}")
-    seen = set() if exclude is None else exclude
-    out: list[Problem] = []
-    attempts = 0
-    while len(out) < count:
-        attempts += 1
-        if attempts > 50 * count + 1000:
-            raise ValueError(f"math generator '{source}' found only {len(out)} distinct problems "
-                             f"of the {count} asked; lower the split sizes or its mix share")
-        question, answer = GENERATORS[source](rng)
-        key = normalize_question(question)
-        if key in seen:
+    misses = 0
+    while misses < GIVE_UP_AFTER:
+        question, answer, expression = GENERATORS[source](rng)
+        if expression in taken:
+            misses += 1
             continue
-        seen.add(key)
-        out.append(_problem(source, question, str(answer)))
+        taken.add(expression)
+        misses = 0
+        yield _problem(source, question, str(answer), expression=expression)
+
+
+def take(stream: Iterator[Problem], count: int, source: str, have: int = 0) -> list[Problem]:
+    out = list(itertools.islice(stream, count))
+    if len(out) < count:
+        raise ValueError(f"math generator '{source}' found only {have + len(out)} problems with distinct "
+                         f"expressions of the {have + count} asked; lower the split sizes or its mix share")
     return out
+
+
+def generate(source: str, count: int, seed: int, exclude: set[str] | None = None) -> list[Problem]:
+    """`count` problems from one generator, each with its own canonical expression."""
+    return take(expression_stream(source, seed, set() if exclude is None else exclude), count, source)
 
 
 def load_gsm8k_vendored() -> list[Problem]:
@@ -168,33 +206,34 @@ def parse_mix(options: dict[str, Any]) -> dict[str, float]:
 
 
 def offline_splits(sizes: dict[str, int], seed: int, options: dict[str, Any]) -> dict[str, list[Problem]]:
-    """Every split gets the same source mix; each source's pool is dealt test first."""
+    """Every split gets the same source mix, drawn split by split in DEAL_ORDER.
+
+    The generators' streams share one set of taken expressions (a word problem and an arith
+    problem with the same product are one problem), so drawing test first is what keeps the test
+    set independent of the sizes of the splits dealt after it.
+    """
     mix = parse_mix(options)
     per_split = {split: allocate(sizes[split], mix) for split in DEAL_ORDER}
-    needed = {src: sum(per_split[s][src] for s in DEAL_ORDER) for src in mix}
-    seen: set[str] = set()
-    pools: dict[str, list[Problem]] = {}
+    taken: set[str] = set()
+    gsm: list[Problem] = []
     if "gsm8k" in mix:
-        gsm = sorted(load_gsm8k_vendored(), key=lambda p: content_key(seed, p.question))
-        if needed["gsm8k"] > len(gsm):
+        gsm = sorted(load_gsm8k_vendored(), key=lambda p: shuffle_key(seed, p))
+        needed = sum(per_split[s]["gsm8k"] for s in DEAL_ORDER)
+        if needed > len(gsm):
             raise ValueError(f"the offline GSM8K set has {len(gsm)} problems but the splits ask for "
-                             f"{needed['gsm8k']}; lower domain.options.mix.gsm8k or the split sizes")
-        pools["gsm8k"] = gsm
-        seen.update(normalize_question(p.question) for p in gsm)
-    for src in GENERATED:
-        if src in mix:
-            pools[src] = generate(src, needed[src], seed, exclude=seen)
-    return deal(pools, per_split, seed)
-
-
-def deal(pools: dict[str, list[Problem]], per_split: dict[str, dict[str, int]], seed: int) -> dict[str, list[Problem]]:
-    taken = {src: 0 for src in pools}
+                             f"{needed}; lower domain.options.mix.gsm8k or the split sizes")
+        taken.update(content_key(p) for p in gsm)
+    streams = {src: expression_stream(src, seed, taken) for src in GENERATED if src in mix}
+    drawn = {src: 0 for src in mix}
     out: dict[str, list[Problem]] = {}
     for split in DEAL_ORDER:
         items: list[Problem] = []
         for src, count in per_split[split].items():
-            items += pools[src][taken[src] : taken[src] + count]
-            taken[src] += count
+            if src == "gsm8k":
+                items += gsm[drawn[src] : drawn[src] + count]
+            else:
+                items += take(streams[src], count, src, have=drawn[src])
+            drawn[src] += count
         random.Random(f"whale-math:{seed}:{split}:order").shuffle(items)
         out[split] = items
     return {split: out[split] for split in SPLITS}
@@ -292,10 +331,10 @@ def load_real(kind: str, data_path: str | None, options: dict[str, Any]) -> list
 def _dedupe_sorted(problems: Iterable[Problem], seed: int, exclude: set[str]) -> list[Problem]:
     unique: dict[str, Problem] = {}
     for p in problems:
-        key = normalize_question(p.question)
+        key = content_key(p)
         if key not in exclude:
             unique.setdefault(key, p)
-    return sorted(unique.values(), key=lambda p: content_key(seed, p.question))
+    return sorted(unique.values(), key=lambda p: shuffle_key(seed, p))
 
 
 def real_splits(kind: str, data_path: str | None, sizes: dict[str, int], seed: int,
@@ -308,7 +347,7 @@ def real_splits(kind: str, data_path: str | None, sizes: dict[str, int], seed: i
     if eval_path:
         eval_kind = options.get("eval_source", "aime")
         held_out = _dedupe_sorted(load_real(eval_kind, eval_path, options), seed, set())
-        exclude = {normalize_question(p.question) for p in held_out}
+        exclude = {content_key(p) for p in held_out}
         groups.append((held_out, ("test", "val"), f"{eval_kind} data at {eval_path}"))
         groups.append((_dedupe_sorted(main, seed, exclude), ("harness", "weight"), f"{kind} data at {data_path}"))
     else:

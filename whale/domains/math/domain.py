@@ -6,8 +6,8 @@ import functools
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.config import Config
-from whale.domains.base import Problem, split_sizes
+from whale.config import Config, ConfigError
+from whale.domains.base import Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.math import data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_math
@@ -31,15 +31,30 @@ message); giving it another turn when no \\boxed{{}} was produced.
 """
 
 
+GRADERS = ("default", "math_verify")
+
+
+def _offline(d) -> bool:
+    return d.source == "offline"
+
+
+def _real(d) -> bool:
+    return d.source != "offline"
+
+
+REAL = "domain.source: gsm8k | dapo | aime"
+FIELDS = {"data_path": Setting("real data: a local file/folder or an HF dataset id", REAL, _real)}
 OPTIONS = {
-    "mix": "offline: source -> share, e.g. {arith_add: 0.5, word: 0.5} (default: mostly arithmetic, 5% gsm8k)",
-    "lenient_last_number": "also accept the last number when no \\boxed{} was given (default false)",
-    "python_timeout_s": "env.python time limit (default 10)",
-    "python_memory_mb": "env.python memory limit (default 512)",
-    "eval_path": "real data: val and test come from this file/folder/HF id (e.g. AIME)",
-    "eval_source": "format of eval_path: gsm8k | dapo | aime (default aime)",
-    "hf_config": "HF dataset config name (openai/gsm8k needs 'main')",
-    "hf_split": "HF dataset split (default train)",
+    "mix": Setting("source -> share, e.g. {arith_add: 0.5, word: 0.5} (default: mostly arithmetic, 5% gsm8k)",
+                   "domain.source: offline", _offline),
+    "lenient_last_number": Setting("also accept the last number when no \\boxed{} was given (default false)"),
+    "python_timeout_s": Setting("env.python time limit (default 10)"),
+    "python_memory_mb": Setting("env.python memory limit (default 512)"),
+    "eval_path": Setting("val and test come from this file/folder/HF id (e.g. AIME)", REAL, _real),
+    "eval_source": Setting("format of eval_path: gsm8k | dapo | aime (default aime)", "domain.options.eval_path",
+                           lambda d: _real(d) and bool(d.options.get("eval_path"))),
+    "hf_config": Setting("HF dataset config name (openai/gsm8k needs 'main')", REAL, _real),
+    "hf_split": Setting("HF dataset split (default train)", REAL, _real),
 }
 
 
@@ -54,13 +69,13 @@ class MathDomain:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.options: dict[str, Any] = dict(cfg.domain.options)
-        unknown = sorted(set(self.options) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"math: unknown domain.options {unknown}; known: {', '.join(OPTIONS)}")
         self.source = cfg.domain.source
         if self.source != "offline" and self.source not in data.REAL_SOURCES:
             raise ValueError(f"math: unknown domain.source '{self.source}'; choose offline, "
                              f"{', '.join(data.REAL_SOURCES)}")
+        if cfg.domain.grader not in GRADERS:
+            raise ConfigError(f"math: domain.grader must be one of {list(GRADERS)} (got {cfg.domain.grader!r})")
+        refuse_unread_settings("math", cfg.domain, FIELDS, OPTIONS)
         self.lenient = bool(self.options.get("lenient_last_number", False))
         self.timeout_s = float(self.options.get("python_timeout_s", 10.0))
         self.memory_mb = int(self.options.get("python_memory_mb", 512))

@@ -1,18 +1,24 @@
 """Search-QA problems and their splits: the offline Factbook set, or Search-R1 style real data.
 
-Splits are deterministic from the config seed and disjoint by question text. Sources (templates
-offline; `data_source` such as nq / hotpotqa for real data) are interleaved after a seeded
-shuffle within each source, and the splits are cut in the order test, val, harness, weight: the
-test set has an even mix of sources (the paper evaluates 100 per Search-R1 test set) and does
-not change when the weight split is resized.
+Splits are deterministic from the config seed and disjoint by ENTITY, not only by question text:
+"What is the currency of France?" and "What is the currency of the country whose capital is
+Paris?" share a gold answer, so a model fine-tuned on one has seen the other's answer. Every
+question about one entity, whatever its template or phrasing, lands in exactly one split:
+- offline (Factbook): the entity is the country;
+- real data: rows name no entity, so questions are linked by their gold answers (normalised as
+  the EM grader does; "yes"/"no" name no entity and link nothing) and by their text; linked
+  questions (transitively) form one group.
+Groups are shuffled with the seed (real data: within each `data_source`, then round-robin over
+sources, so the test set has an even mix) and dealt whole in the order test, val, harness,
+weight (base.deal_groups): the test set does not change when the weight split is resized.
 
 Real data (`domain.source: searchr1`): rows of jsonl/json/parquet files (FlashRAG / Search-R1
 layout) with `question` and `golden_answers` (or Search-R1's `reward_model.ground_truth.target`),
 `data_source` (else the file name) and `id`. `domain.data_path` is a file, a folder of such
 files, or an HF dataset id (loaded with `datasets`, only when it is not a local path).
 `domain.options.test_path` optionally names separate held-out data (the 7 test sets): val and
-test are then drawn from it and weight/harness from `data_path`, with test questions removed
-from the training pool.
+test are then drawn from it and weight/harness from `data_path`, with every training question
+linked to a held-out one (same text or a shared gold answer) removed from the training pool.
 """
 
 from __future__ import annotations
@@ -22,28 +28,38 @@ import random
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.domains.base import SPLITS, Problem, read_jsonl
+from whale.domains.base import DEAL_ORDER, SPLITS, Problem, content_groups, deal_groups, read_jsonl
+from whale.domains.searchqa.grading import gold_aliases
 from whale.domains.searchqa.retrieval import read_parquet
 
 SOURCES = ("offline", "searchr1")
-_ORDER = ("test", "val", "harness", "weight")  # cut order: held-out splits first
+NO_ENTITY_ANSWERS = frozenset({"yes", "no"})  # HotpotQA comparison answers: shared by thousands, about nothing
 
 
-def interleave(problems: Iterable[Problem], seed: int) -> list[Problem]:
-    """Seeded shuffle within each source, then round-robin over sources (sorted by name)."""
-    by_source: dict[str, list[Problem]] = {}
-    for p in sorted(problems, key=lambda p: p.id):
-        by_source.setdefault(p.source, []).append(p)
+def question_key(p: Problem) -> str:
+    return " ".join(p.question.lower().split())
+
+
+def entity_keys(p: Problem) -> list[tuple[str, str]]:
+    """What links two questions for splitting: the same text, and the entity (or gold answer)."""
+    keys = [("question", question_key(p))]
+    if p.meta.get("entity"):
+        return keys + [("entity", str(p.meta["entity"]))]
+    return keys + [("gold", a) for a in gold_aliases(p) if a not in NO_ENTITY_ANSWERS]
+
+
+def order_groups(groups: list[list[Problem]], seed: int, mix_sources: bool) -> list[list[Problem]]:
+    """Seeded shuffle; with `mix_sources`, within each source (of the group's first question), then round-robin."""
     rng = random.Random(f"searchqa-splits-{seed}")
-    queues = []
-    for source in sorted(by_source):
-        items = by_source[source]
-        rng.shuffle(items)
-        queues.append(items)
-    out: list[Problem] = []
-    depth = max((len(q) for q in queues), default=0)
-    for i in range(depth):
-        out.extend(q[i] for q in queues if i < len(q))
+    queues: dict[str, list[list[Problem]]] = {}
+    for g in groups:
+        queues.setdefault(g[0].source if mix_sources else "", []).append(g)
+    for source in sorted(queues):
+        rng.shuffle(queues[source])
+    ordered = [queues[s] for s in sorted(queues)]
+    out: list[list[Problem]] = []
+    for i in range(max((len(q) for q in ordered), default=0)):
+        out.extend(q[i] for q in ordered if i < len(q))
     return out
 
 
@@ -52,39 +68,35 @@ def dedupe(problems: Iterable[Problem]) -> list[Problem]:
     seen: set[str] = set()
     out = []
     for p in sorted(problems, key=lambda p: p.id):
-        key = " ".join(p.question.lower().split())
+        key = question_key(p)
         if key not in seen:
             seen.add(key)
             out.append(p)
     return out
 
 
-def cut_splits(pool: list[Problem], sizes: dict[str, int], seed: int, what: str,
-               names: tuple[str, ...] = _ORDER) -> dict[str, list[Problem]]:
+def cut_splits(pool: list[Problem], sizes: dict[str, int], seed: int, what: str, mix_sources: bool,
+               names: tuple[str, ...] = DEAL_ORDER) -> dict[str, list[Problem]]:
     need = sum(sizes[n] for n in names)
     if need > len(pool):
         detail = ", ".join(f"{n}={sizes[n]}" for n in names)
         raise ValueError(f"searchqa: {what} has {len(pool)} distinct questions but the splits ask for {need} "
                          f"({detail}); lower domain.splits.* or add data")
-    ordered = interleave(pool, seed)
-    out, start = {}, 0
-    for n in names:
-        out[n] = ordered[start:start + sizes[n]]
-        start += sizes[n]
-    return out
+    groups = order_groups(content_groups(pool, entity_keys), seed, mix_sources)
+    return deal_groups(groups, sizes, names, f"searchqa: {what}", seed=f"searchqa-order-{seed}")
 
 
 def make_splits(problems: list[Problem], sizes: dict[str, int], seed: int, what: str,
-                held_out: list[Problem] | None = None) -> dict[str, list[Problem]]:
+                held_out: list[Problem] | None = None, mix_sources: bool = True) -> dict[str, list[Problem]]:
     """All four splits; with `held_out`, val/test come from it and weight/harness from `problems`."""
     if held_out is None:
-        splits = cut_splits(dedupe(problems), sizes, seed, what)
+        splits = cut_splits(dedupe(problems), sizes, seed, what, mix_sources)
     else:
         held = dedupe(held_out)
-        splits = cut_splits(held, sizes, seed, f"{what} (test_path)", ("test", "val"))
-        taken = {" ".join(p.question.lower().split()) for p in held}
-        train = [p for p in dedupe(problems) if " ".join(p.question.lower().split()) not in taken]
-        splits.update(cut_splits(train, sizes, seed, what, ("harness", "weight")))
+        splits = cut_splits(held, sizes, seed, f"{what} (test_path)", mix_sources, ("test", "val"))
+        taken = {k for p in held for k in entity_keys(p)}
+        train = [p for p in dedupe(problems) if not taken.intersection(entity_keys(p))]
+        splits.update(cut_splits(train, sizes, seed, what, mix_sources, ("harness", "weight")))
     return {n: splits[n] for n in SPLITS}
 
 

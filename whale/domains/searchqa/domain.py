@@ -6,8 +6,7 @@
 - retrieval: `retriever_url` (a Search-R1 `/retrieve` server) if set, else BM25 over
   `corpus_path` (wiki-18 style jsonl) if set, else over the Factbook passages (offline only);
 - `grader`: "em" (default), "subspan" or "judge" (`judge_model`, `options.judge_base_url`);
-- `options.templates`: offline only, a subset of the Factbook templates (e.g. [capital, currency]
-  for an easier CPU demo).
+- `options`: see OPTIONS; a setting the chosen source/grader/retriever does not read is an error.
 
 The BM25 index is built lazily on the first `make_env`, once per domain object, and shared by
 every episode's `search` tool (calls arrive from the runner's tool threads).
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import EpisodeEnv, EpisodeError, Problem
+from whale.domains.base import EpisodeEnv, EpisodeError, Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.searchqa import data, factbook, grading
 from whale.domains.searchqa.retrieval import BM25Retriever, HTTPRetriever, load_corpus
 
@@ -47,6 +46,33 @@ GRADER_DETAIL = {
                "alias as whole words and be at most 5 words long (longer only if the alias is).",
     "judge": "An LLM judge decides whether the last <answer>...</answer> names the gold entity "
              "(exact match when the judge is unreachable).",
+}
+
+
+def _judging(d) -> bool:
+    return d.grader == "judge"
+
+
+FIELDS = {
+    "data_path": Setting("Search-R1 style rows", "domain.source: searchr1", lambda d: d.source == "searchr1"),
+    "corpus_path": Setting("passages for BM25 (instead of the Factbook's)", "no domain.retriever_url",
+                           lambda d: not d.retriever_url),
+    "retriever_url": Setting("a Search-R1 /retrieve server"),
+    "judge_model": Setting("the judge's model name", "domain.grader: judge", _judging),
+}
+OPTIONS = {
+    "templates": Setting("a subset of the Factbook templates, e.g. [capital, currency]", "domain.source: offline",
+                         lambda d: d.source == "offline"),
+    "test_path": Setting("held-out rows for val and test (the 7 test sets)", "domain.source: searchr1",
+                         lambda d: d.source == "searchr1"),
+    "hf_split": Setting("HF dataset split of data_path", "domain.source: searchr1", lambda d: d.source == "searchr1"),
+    "hf_test_split": Setting("HF dataset split of test_path", "domain.options.test_path",
+                             lambda d: d.source == "searchr1" and bool(d.options.get("test_path"))),
+    "retriever_timeout_s": Setting("seconds per /retrieve call (default 30)", "domain.retriever_url",
+                                   lambda d: bool(d.retriever_url)),
+    "judge_base_url": Setting("the judge's OpenAI-compatible endpoint", "domain.grader: judge", _judging),
+    "judge_api_key_env": Setting("env var with the judge's key", "domain.grader: judge", _judging),
+    "judge_timeout_s": Setting("seconds per judge call", "domain.grader: judge", _judging),
 }
 
 
@@ -87,6 +113,7 @@ class SearchQADomain:
                 raise ConfigError("domain.source 'searchr1' needs domain.data_path (file, folder or HF dataset id)")
             if not d.retriever_url and not d.corpus_path:
                 raise ConfigError("domain.source 'searchr1' needs domain.retriever_url or domain.corpus_path")
+        refuse_unread_settings("searchqa", d, FIELDS, OPTIONS)
         if d.corpus_path and not d.retriever_url and not Path(d.corpus_path).exists():
             raise ConfigError(f"domain.corpus_path {d.corpus_path!r} does not exist")
         try:
@@ -104,9 +131,10 @@ class SearchQADomain:
 
     def load_splits(self) -> dict[str, list[Problem]]:
         d = self.cfg.domain
-        sizes = d.splits.model_dump()
+        sizes = split_sizes(d.splits)
         if d.source == "offline":
-            return data.make_splits(self._offline_questions(), sizes, self.cfg.seed, "the offline Factbook set")
+            return data.make_splits(self._offline_questions(), sizes, self.cfg.seed, "the offline Factbook set",
+                                    mix_sources=False)
         problems = data.load_searchr1(d.data_path, d.options.get("hf_split"))
         held_out = None
         if d.options.get("test_path"):

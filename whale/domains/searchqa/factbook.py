@@ -234,7 +234,7 @@ def parse_anthem(text: str | None) -> list[str] | None:
 def _problem(template: str, code: str, gold: list[str], titles: list[str], **fields: str) -> Problem:
     question = TEMPLATES[template].format(**fields)
     return Problem(id=f"{template}:{code}", question=question, answer=gold, source=template,
-                   meta={"gold_titles": titles, **fields})
+                   meta={"gold_titles": titles, "entity": code, **fields})
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,300 @@
+"""Rollout throughput on what users run: search QA h0, math h0, chess with constrained choices.
+
+Per workload, side by side in one process (same problems, same seeds, so the same calls):
+  runner  RolloutRunner episodes/s: sandboxes, RPC, tools, grading, the streaming hf engine
+  raw     the same engine replaying exactly the runner's recorded calls, each episode's calls in
+          order (call i+1 submitted when call i returned), `concurrency` episodes at once, no
+          sandbox and no tools: the ceiling the runner can reach
+  waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
+  legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
+  before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
+The prefix cache is cleared before every measurement, so no run reuses another's work.
+
+Reports runner/raw (target >= 0.9), engine tokens/s over the legacy engine's (target >= 3x on
+search QA), prefill tokens computed vs requested, prefill and decode tokens/s against the
+machine's limit (model FLOPs and weight bytes per token, measured matmul GFLOP/s and memory
+bandwidth), and peak memory. `--repeat` alternates the variants; ratios are per repeat.
+
+    python benchmarks/workloads.py --workload searchqa --problems 16 --k 4 --repeat 2
+    python benchmarks/workloads.py --workload all --problems 8 --k 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from legacy import legacy_engine, legacy_runner  # noqa: E402
+from machine import machine_limits  # noqa: E402
+from whale.config import load_config  # noqa: E402
+from whale.domains import load_domain  # noqa: E402
+from whale.engine import make_engine  # noqa: E402
+from whale.engine.base import GenerationRequest  # noqa: E402
+from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {  # config, harness (None: the domain's h0), extra overrides
+    "searchqa": ("configs/demo.yaml", None, []),
+    "math": ("configs/math_cpu.yaml", None, []),
+    "chess": ("configs/chess_cpu.yaml", "examples/harnesses/chess_constrained_choice.py", []),
+}
+
+
+class Recorder:
+    """The engine, recording every submitted request (the runner's exact calls)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.returns_ids, self.weight_sync = engine.returns_ids, engine.weight_sync
+        self.requests: list[GenerationRequest] = []
+
+    @property
+    def weights_version(self):
+        return self.engine.weights_version
+
+    def submit(self, request, sampling):
+        self.requests.append(request)
+        return self.engine.submit(request, sampling)
+
+    def generate(self, requests, sampling):
+        return self.engine.generate(requests, sampling)
+
+    def count_tokens(self, messages):
+        return self.engine.count_tokens(messages)
+
+    def load_weights(self, path, version):
+        self.engine.load_weights(path, version)
+
+    def close(self):
+        pass
+
+
+def episodes_of(requests, problems, samples, seed, max_calls):
+    """The recorded requests grouped per episode, in call order (by their derived seeds)."""
+    where = {derive_seed(seed, p.id, s, c): (i * samples + s, c)
+             for i, p in enumerate(problems) for s in range(samples) for c in range(max_calls)}
+    episodes: list[dict[int, GenerationRequest]] = [{} for _ in range(len(problems) * samples)]
+    for r in requests:
+        e, c = where[r.seed]
+        episodes[e][c] = r
+    return [[ep[c] for c in sorted(ep)] for ep in episodes]
+
+
+def replay_chained(engine, episodes, sampling, concurrency):
+    """Each episode's calls in order, `concurrency` episodes at once; returns (seconds, generations).
+
+    Submissions go through a dispatcher thread (as the runner's event loop does), never from the
+    engine's own thread, so tokenising the next call does not steal the model thread's time."""
+    todo: queue.Queue = queue.Queue()
+    results: list[list] = [[] for _ in episodes]
+    finished = threading.Event()
+    state = {"next": 0, "left": len(episodes)}
+
+    def done(e, c, future):
+        results[e].append(future.result())
+        todo.put((e, c + 1) if c + 1 < len(episodes[e]) else ("end", e))
+
+    def start_next():
+        if state["next"] < len(episodes):
+            todo.put((state["next"], 0))
+            state["next"] += 1
+
+    def dispatch():
+        while True:
+            e, c = todo.get()
+            if e == "stop":
+                return
+            if e == "end":
+                state["left"] -= 1
+                if state["left"] == 0:
+                    finished.set()
+                start_next()
+                continue
+            engine.submit(episodes[e][c], sampling).add_done_callback(lambda f, e=e, c=c: done(e, c, f))
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, len(episodes))):
+        start_next()
+    thread = threading.Thread(target=dispatch, daemon=True)
+    thread.start()
+    finished.wait()
+    seconds = time.perf_counter() - t0
+    todo.put(("stop", 0))
+    thread.join()
+    return seconds, [g for ep in results for g in ep]
+
+
+def timed(fn, *args):
+    """(wall seconds, process CPU seconds, result) of fn(*args); CPU time is steadier on a shared machine."""
+    c0 = time.process_time()
+    seconds, out = fn(*args)
+    return seconds, time.process_time() - c0, out
+
+
+def replay_waves(engine, episodes, sampling):
+    """All episodes' i-th calls in one generate, wave after wave; returns (seconds, generations)."""
+    out = []
+    t0 = time.perf_counter()
+    for c in range(max(len(ep) for ep in episodes)):
+        out += engine.generate([ep[c] for ep in episodes if len(ep) > c], sampling)
+    return time.perf_counter() - t0, out
+
+
+def generated(gens) -> int:
+    return sum(g.completion_tokens for gs in gens for g in gs)
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def fresh(engine) -> dict:
+    """Clear the prefix cache (a weight push with the same version does) and snapshot the stats."""
+    engine.load_weights(None, engine.weights_version)
+    return dict(engine.stats)
+
+
+def run_workload(name, args, limits) -> dict:
+    config, harness_path, extra = WORKLOADS[name]
+    n_eps = args.problems * args.k
+    cfg = load_config(ROOT / config, extra + [f"runner.concurrency={min(args.concurrency, n_eps)}",
+                                              f"domain.splits.test={args.problems}"])
+    domain = load_domain(cfg)
+    problems = domain.load_splits()["test"][: args.problems]
+    harness = (ROOT / harness_path).read_text() if harness_path else domain.base_harness()
+    sampling = sampling_from_config(cfg)
+    engine = make_engine(cfg)
+    old = legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
+                        max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
+    recorder = Recorder(engine)
+    runner = RolloutRunner(recorder, domain, cfg)
+    before_runner = legacy_runner(old, domain, cfg) if args.before else None
+    runner.run(harness, problems[:2], seed=99)  # warm-up: fork server, grader pool, kernels
+    old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
+    rows = []
+    for rep in range(args.repeat):
+        recorder.requests = []
+        before = fresh(engine)
+        t0 = time.perf_counter()
+        trajs = runner.run(harness, problems, samples=args.k, seed=rep)
+        runner_s = time.perf_counter() - t0
+        runner_stats = delta(engine.stats, before)
+        episodes = episodes_of(recorder.requests, problems, args.k, rep, cfg.domain.budget.llm_calls)
+        before = fresh(engine)
+        raw_s, raw_cpu, raw_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
+        raw_stats = delta(engine.stats, before)
+        fresh(engine)
+        waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
+        legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
+        same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
+        before_s = None
+        if before_runner is not None:
+            t0 = time.perf_counter()
+            before_runner.run(harness, problems, samples=args.k, seed=rep)
+            before_s = time.perf_counter() - t0
+        calls = sum(len(ep) for ep in episodes)
+        row = {
+            "episodes": len(trajs), "calls": calls, "errors": sum(1 for t in trajs if t.error),
+            "mean_reward": statistics.fmean(t.reward for t in trajs),
+            "runner_eps": len(trajs) / runner_s, "raw_eps": len(trajs) / raw_s,
+            "runner_over_raw": raw_s / runner_s,
+            "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
+            "legacy_tok_s": generated(legacy_gens) / legacy_s,
+            "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
+            "waves_over_legacy": (generated(waves_gens) / waves_s) / (generated(legacy_gens) / legacy_s),
+            "legacy_s": legacy_s, "waves_s": waves_s, "raw_s": raw_s, "runner_s": runner_s,
+            "legacy_cpu_s": legacy_cpu, "waves_cpu_s": waves_cpu, "raw_cpu_s": raw_cpu,
+            "legacy_over_raw_cpu": (legacy_cpu / generated(legacy_gens)) / (raw_cpu / generated(raw_gens)),
+            "same_ids_as_legacy": f"{same}/{calls}",
+            "before_eps": len(trajs) / before_s if before_s else None,
+            "runner_over_before": before_s / runner_s if before_s else None,
+            "runner_engine": runner_stats, "raw_engine": raw_stats,
+        }
+        rows.append(row)
+        print(f"[{name} {rep}] runner {row['runner_eps']:.2f} ep/s, raw {row['raw_eps']:.2f} ep/s "
+              f"(runner/raw {row['runner_over_raw']:.2f}); tok/s raw {row['raw_tok_s']:.1f}, "
+              f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
+              f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
+              f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
+              f"same ids as legacy {same}/{calls}"
+              + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
+                 if before_s else ""), flush=True)
+    runner.close()
+    if before_runner is not None:
+        before_runner.close()
+    kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
+          "prefix_cache_peak_mib": engine.stats["prefix_peak_bytes"] / 2**20}
+    engine.close()
+    old.close()
+    return {"workload": name, "repeats": rows, "kv": kv, "summary": summarize(rows, limits)}
+
+
+def summarize(rows, limits) -> dict:
+    def mean(key):
+        return statistics.fmean(r[key] for r in rows)
+
+    st = rows[-1]["raw_engine"]
+    prefill_tps = st["prefill_tokens_computed"] / max(st["prefill_seconds"], 1e-9)
+    decode_tps = st["decode_tokens"] / max(st["decode_seconds"], 1e-9)
+    live = st["decode_tokens"] / max(st["decode_steps"], 1)
+    return {
+        "runner_over_raw": mean("runner_over_raw"), "raw_over_legacy": mean("raw_over_legacy"),
+        "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
+        "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
+        "waves_over_legacy": mean("waves_over_legacy"), "runner_eps": mean("runner_eps"), "raw_eps": mean("raw_eps"),
+        "prefill_computed_over_requested": st["prefill_tokens_computed"] / max(st["prefill_tokens_requested"], 1),
+        "prefill_tok_s": prefill_tps, "prefill_limit_tok_s": limits["prefill_limit_tok_s"],
+        "decode_tok_s": decode_tps, "mean_live_rows": live,
+        "decode_limit_tok_s": limits["decode_limit"](live),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"])
+    ap.add_argument("--problems", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4, help="samples per problem")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
+    args = ap.parse_args()
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    limits = machine_limits()
+    print(f"machine: {limits['summary']}", flush=True)
+    results = [run_workload(n, args, limits) for n in names]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak RSS {peak:.0f} MiB (both engines and the runner), load now {os.getloadavg()[0]:.1f}")
+    for r in results:
+        s = r["summary"]
+        print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | engine tok/s vs 1c4ff05: chained "
+              f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x (CPU "
+              f"{s['legacy_over_raw_cpu']:.2f}x) | prefill computed/requested "
+              f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "
+              f"{s['prefill_limit_tok_s']:.0f}) | decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} "
+              f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab, "
+              f"{r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache"
+              + (f" | runner vs 1c4ff05 runner {s['runner_over_before']:.2f}x" if s["runner_over_before"] else ""))
+    if args.json:
+        for r in results:
+            r["summary"] = {k: v for k, v in r["summary"].items() if not callable(v)}
+        Path(args.json).write_text(json.dumps({"limits": {k: v for k, v in limits.items() if not callable(v)},
+                                               "peak_rss_mib": peak, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""HFEngine's continuous batching and prefix sharing on the tiny model: exact samples, shared KV, safe weights."""
+
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from whale.engine import scheduler
+from whale.engine.base import GenerationRequest, SamplingParams
+from whale.engine.hf import HFEngine
+
+USER = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "system", "content": "You answer questions about capitals. " * 3},
+        {"role": "user", "content": "What is the capital of Kenya? The capital of France is Paris."}]
+OTHER = [{"role": "user", "content": "def run(env, llm): return 2 + 3 " * 6}]
+SAMPLE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=16)
+
+
+def make(tiny_model_dir, **kw):
+    kw.setdefault("max_batch_size", 4)
+    return HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=256, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = make(tiny_model_dir)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    """No prefix cache: every prompt computed from scratch, one request at a time (the reference)."""
+    eng = make(tiny_model_dir, prefix_cache_bytes=0, max_batch_size=1)
+    yield eng
+    eng.close()
+
+
+def ids(engine, sampling=SAMPLE, **kw):
+    return [g.completion_ids for g in engine.generate([GenerationRequest(**kw)], sampling)[0]]
+
+
+def wait_for(condition, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def test_sample_does_not_depend_on_when_it_joined(engine, plain):
+    alone = ids(plain, messages=USER, seed=11, max_tokens=24)
+    steps = engine.stats["decode_steps"]
+    busy = [engine.submit(GenerationRequest(m, seed=s, max_tokens=60), SAMPLE)
+            for s, m in enumerate([OTHER, LONG, OTHER])]
+    wait_for(lambda: engine.stats["decode_steps"] >= steps + 5)  # the batch is mid-flight
+    late = engine.submit(GenerationRequest(USER, seed=11, max_tokens=24), SAMPLE)
+    assert [g.completion_ids for g in late.result()] == alone
+    assert not all(f.done() for f in busy)  # it joined and left while the others were still decoding
+    for f in busy:
+        f.result()
+    # more samples than rows (4): they queue, join as rows free, and still sample the same
+    many = engine.generate([GenerationRequest(OTHER, seed=i, max_tokens=8 + i) for i in range(7)]
+                           + [GenerationRequest(USER, seed=11, max_tokens=24)], SAMPLE)
+    assert many[-1][0].completion_ids == alone[0]
+
+
+def test_same_tokens_as_the_engine_of_1c4ff05(tiny_model_dir, engine):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    legacy = pytest.importorskip("legacy")
+    try:
+        old = legacy.legacy_engine(str(tiny_model_dir), dtype="float32", device="cpu", max_batch_size=4,
+                                   max_model_len=256)
+    except Exception as exc:  # noqa: BLE001 - no git history (e.g. an sdist): nothing to compare with
+        pytest.skip(f"commit {legacy.LEGACY_COMMIT} not available: {exc}")
+    prefill = USER + [{"role": "assistant", "content": "The answer is"}]
+    reqs = [GenerationRequest(USER, seed=3, max_tokens=20), GenerationRequest(LONG, seed=4, n=3),
+            GenerationRequest(prefill, seed=5, stop=["a"]), GenerationRequest(OTHER, seed=6, max_tokens=5),
+            GenerationRequest(USER, choices=["Paris", "Nairobi", "e2e4"], seed=7, n=4)]
+    for sampling in (SAMPLE, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=12)):
+        want = old.generate(reqs, sampling)
+        got = engine.generate(reqs, sampling)
+        assert [[(g.text, g.completion_ids, g.finish_reason) for g in gens] for gens in got] == \
+            [[(g.text, g.completion_ids, g.finish_reason) for g in gens] for gens in want]
+        assert [g[0].prompt_ids for g in got] == [g[0].prompt_ids for g in want]
+
+
+def test_k_samples_prefill_their_prompt_once(tiny_model_dir, plain):
+    eng = make(tiny_model_dir, prefix_cache_bytes=0)  # sharing between rows in flight needs no cache
+    try:
+        before = dict(eng.stats)
+        got = ids(eng, messages=LONG, seed=20, n=4)
+        prompt = len(eng._prompt_ids(LONG))
+        assert eng.stats["prefill_tokens_requested"] - before["prefill_tokens_requested"] == 4 * prompt
+        assert eng.stats["prefill_tokens_computed"] - before["prefill_tokens_computed"] == prompt + 3
+        assert got == [ids(plain, messages=LONG, seed=20 + i)[0] for i in range(4)]
+    finally:
+        eng.close()
+
+
+def test_next_call_reuses_the_previous_call(tiny_model_dir, plain):
+    eng = make(tiny_model_dir)
+    try:
+        first = eng.generate([GenerationRequest(LONG, seed=1, max_tokens=12)], SAMPLE)[0][0]
+        follow = LONG + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Sure?"}]
+        prompt = eng._prompt_ids(follow)
+        seen = first.prompt_ids + first.completion_ids[:-1]  # the last sampled token was never fed
+        shared = next((i for i, (a, b) in enumerate(zip(prompt, seen)) if a != b), min(len(prompt), len(seen)))
+        assert shared > len(first.prompt_ids)  # the follow-up extends prompt + part of the completion
+        computed = eng.stats["prefill_tokens_computed"]
+        got = ids(eng, messages=follow, seed=2)
+        assert eng.stats["prefill_tokens_computed"] - computed == len(prompt) - shared
+        assert got == ids(plain, messages=follow, seed=2)
+    finally:
+        eng.close()
+
+
+def test_prefix_cache_is_bounded_and_least_recently_used_goes_first(tiny_model_dir):
+    eng = make(tiny_model_dir)
+    per_token = None
+    try:
+        eng.generate([GenerationRequest(LONG, seed=0, max_tokens=4)], SAMPLE)
+        entry = next(iter(eng.scheduler.prefix.entries.values()))
+        per_token = entry.nbytes // len(entry.ids)
+    finally:
+        eng.close()
+    budget = per_token * 3 * 40  # room for about three short sequences
+    eng = make(tiny_model_dir, prefix_cache_bytes=budget)
+    try:
+        for i in range(8):
+            msgs = [{"role": "user", "content": f"Question {i}: what is the capital of France? " * 2}]
+            eng.generate([GenerationRequest(msgs, seed=i, max_tokens=4)], SAMPLE)
+            assert eng.scheduler.prefix.bytes <= budget
+        cache = eng.scheduler.prefix
+        assert 1 <= len(cache) <= 3
+        newest = eng.tokenizer.decode(list(cache.entries.values())[-1].ids)
+        assert "Question 7" in newest and "Question 0" not in "".join(
+            eng.tokenizer.decode(e.ids) for e in cache.entries.values())
+    finally:
+        eng.close()
+
+
+def _scale_weights(model, factor):
+    """In place through `.data`, which autograd's version counters do not see: only an explicit
+    load_weights / serve_model can tell the engine."""
+    for p in model.parameters():
+        p.data.mul_(factor)
+
+
+@pytest.mark.parametrize("change", ["load_weights", "optimizer_step", "serve_model"])
+def test_weight_change_invalidates_shared_kv(tiny_model_dir, plain, change):
+    """A KV computed under the old weights must never be reused: the prompt is computed afresh."""
+    eng = make(tiny_model_dir)
+    try:
+        ids(eng, messages=LONG, seed=1, max_tokens=8)  # the prompt is now in the prefix cache
+        assert len(eng.scheduler.prefix) == 1
+        if change == "load_weights":
+            _scale_weights(eng.model, 1.3)
+            eng.load_weights(None, "v1")
+        elif change == "optimizer_step":  # trained in place, nobody told the engine
+            opt = torch.optim.SGD(eng.model.parameters(), lr=0.5)
+            out = eng.model(torch.tensor([eng._prompt_ids(LONG)]))
+            out.logits.float().logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            from transformers import AutoModelForCausalLM
+
+            other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+            _scale_weights(other, 0.7)
+            eng.serve_model(other)
+        computed = eng.stats["prefill_tokens_computed"]
+        got = ids(eng, messages=LONG, seed=1, max_tokens=8)
+        assert eng.stats["prefill_tokens_computed"] - computed == len(eng._prompt_ids(LONG))
+        reference = make(tiny_model_dir, prefix_cache_bytes=0)
+        try:
+            reference.serve_model(eng.model)
+            assert got == ids(reference, messages=LONG, seed=1, max_tokens=8)
+        finally:
+            reference.close()
+    finally:
+        eng.close()
+
+
+def test_load_weights_waits_for_sequences_in_flight(engine):
+    steps = engine.stats["decode_steps"]
+    running = engine.submit(GenerationRequest(OTHER, seed=3, max_tokens=80), SAMPLE)
+    wait_for(lambda: engine.stats["decode_steps"] > steps)
+    engine.load_weights(None, "v-next")
+    assert running.done()  # it finished first, under the weights it started with
+    assert running.result()[0].weights_version == "base" and len(running.result()[0].completion_ids) > 1
+    assert engine.generate([GenerationRequest(USER, seed=0, max_tokens=2)], SAMPLE)[0][0].weights_version == "v-next"
+    engine.load_weights(None, "base")
+
+
+def test_choices_of_many_requests_share_one_forward(tiny_model_dir, plain):
+    eng = make(tiny_model_dir, prefix_cache_bytes=0)
+    try:
+        choices = ["Paris", "Nairobi", "e2e4", "boxed answer"]
+        reqs = [GenerationRequest([{"role": "user", "content": f"Question {i}: the capital?"}], choices=choices,
+                                  seed=i, n=2) for i in range(6)]
+        warm = SamplingParams(temperature=3.0)
+        forwards = eng.stats["prefill_forwards"]
+        got = eng.generate(reqs, warm)
+        assert eng.stats["prefill_forwards"] - forwards == 1
+        want = [plain.generate([r], warm)[0] for r in reqs]
+        assert [[g.text for g in gens] for gens in got] == [[g.text for g in gens] for gens in want]
+        assert all(g.completion_ids == eng.tokenizer.encode(g.text, add_special_tokens=False)
+                   for gens in got for g in gens)
+    finally:
+        eng.close()
+
+
+def test_submit_from_many_threads(engine, plain):
+    reqs = [GenerationRequest([{"role": "user", "content": f"Count to {i}."}], seed=i, max_tokens=6 + i % 5)
+            for i in range(12)]
+    want = [ids(plain, messages=r.messages, seed=r.seed, max_tokens=r.max_tokens) for r in reqs]
+    got: list = [None] * len(reqs)
+
+    def worker(k):
+        for i in range(k, len(reqs), 3):
+            got[i] = [g.completion_ids for g in engine.submit(reqs[i], SAMPLE).result()]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_engine_failure_fails_the_calls_in_flight_not_the_engine(tiny_model_dir, monkeypatch):
+    eng = make(tiny_model_dir)
+    try:
+        real = eng.scheduler._forward
+        calls = {"n": 0}
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("out of memory")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(eng.scheduler, "_forward", flaky)
+        [g] = eng.generate([GenerationRequest(USER, seed=0, max_tokens=5)], SAMPLE)[0]
+        assert g.finish_reason == "error" and "out of memory" in g.text
+        after = eng.generate([GenerationRequest(USER, seed=0, max_tokens=5)], SAMPLE)[0][0]
+        assert after.finish_reason == "length" and len(after.completion_ids) == 5
+    finally:
+        eng.close()
+
+
+def test_cancelled_and_closed(tiny_model_dir):
+    eng = make(tiny_model_dir)
+    gate = threading.Event()
+    real = eng.scheduler._step
+
+    def held(*args):
+        gate.wait(30)
+        return real(*args)
+
+    eng.scheduler._step = held
+    first = eng.submit(GenerationRequest(USER, seed=0, max_tokens=3), SAMPLE)
+    wait_for(lambda: eng.scheduler.busy)
+    dropped = eng.submit(GenerationRequest(USER, seed=1, max_tokens=3), SAMPLE)
+    assert dropped.cancel()
+    gate.set()
+    assert first.result()[0].finish_reason == "length"
+    assert dropped.cancelled()
+    eng.close()
+    [g] = eng.submit(GenerationRequest(USER, seed=0), SAMPLE).result()
+    assert g.finish_reason == "error" and "closed" in g.text
+
+
+def test_unsupported_attention_is_a_clear_error(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="full-attention decoder models"):
+        make(folder)
+
+
+def test_queued_submit_for_generate_only_engines():
+    from whale.engine.null import NullEngine
+
+    engine = NullEngine(seed=3)
+    reqs = [GenerationRequest(USER, seed=i, n=2) for i in range(5)] + [GenerationRequest(USER, choices=["a", "b"])]
+    futures = [engine.submit(r, SAMPLE) for r in reqs]
+    assert all(isinstance(f, Future) for f in futures)
+    assert [f.result() for f in futures] == engine.generate(reqs, SAMPLE)
+
+    class Broken(NullEngine):
+        def generate(self, requests, sampling):
+            raise RuntimeError("GPU fell over")
+
+    [g] = Broken().submit(reqs[0], SAMPLE).result()
+    assert g.finish_reason == "error" and "GPU fell over" in g.text
+
+
+def test_queued_submit_batches_what_arrives_while_busy():
+    from whale.engine.base import Generation, QueuedSubmit
+
+    gate = threading.Event()
+
+    class Slow(QueuedSubmit):
+        def __init__(self):
+            self.batches = []
+
+        def generate(self, requests, sampling):
+            gate.wait(30)
+            self.batches.append(len(requests))
+            return [[Generation(text="x", finish_reason="stop")] for _ in requests]
+
+    engine = Slow()
+    first = engine.submit(GenerationRequest(USER), SAMPLE)
+    rest = [engine.submit(GenerationRequest(USER), SAMPLE) for _ in range(5)]
+    gate.set()
+    assert all(f.result()[0].text == "x" for f in [first, *rest])
+    assert sum(engine.batches) == 6 and len(engine.batches) <= 3
+
+
+def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(scheduler, "IDLE_EXIT_S", 0.05)
+    eng = make(tiny_model_dir)
+    try:
+        first = ids(eng, messages=USER, seed=4, max_tokens=3)
+        wait_for(lambda: eng.scheduler.thread is None, timeout=10)  # nothing holds the engine now
+        assert eng.scheduler.slab.data is None
+        assert ids(eng, messages=USER, seed=4, max_tokens=3) == first
+    finally:
+        eng.close()
+
+
+def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
+    """The engine's own decode attention (CPU) gives the logits transformers' sdpa gives."""
+    from whale.engine.attention import decode_attention
+    from whale.engine.kv import KVSlab
+
+    model = engine.model
+    slab = KVSlab(model.config.num_hidden_layers, engine.device)
+    rows, width = 3, 40
+    lens = torch.tensor([39, 12, 25])
+    ids = torch.randint(5, 300, (rows, width))
+    with torch.no_grad():
+        cols = torch.arange(width).expand(rows, width)
+        causal = (torch.arange(width) <= torch.arange(width).unsqueeze(-1)).expand(rows, 1, width, width)
+        slab.reserve(rows, width + 1)
+        model(input_ids=ids, attention_mask=causal, position_ids=cols, cache=slab.view(
+            0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width), use_cache=True)
+        step = ids[torch.arange(rows), lens].unsqueeze(-1)
+        out = {}
+        for on in (True, False):
+            with decode_attention(model, enabled=on) as used:
+                assert used == on
+                w = slab.cols if on else width
+                allowed = (torch.arange(w) <= lens.unsqueeze(-1)).view(rows, 1, 1, w)
+                mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if on else allowed
+                view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1), lens.unsqueeze(-1), w)
+                out[on] = model(input_ids=step, attention_mask=mask, position_ids=lens.unsqueeze(-1), cache=view,
+                                use_cache=True).logits
+        assert model.config._attn_implementation == "sdpa"  # switched back
+    assert torch.allclose(out[True], out[False], atol=1e-5)
+
+
+def test_k_samples_of_one_position_are_scored_once(tiny_model_dir, plain):
+    eng = make(tiny_model_dir, prefix_cache_bytes=0)
+    try:
+        choices = ["Paris", "Nairobi", "e2e4", "boxed answer"]
+        reqs = [GenerationRequest(LONG, choices=choices, seed=s) for s in range(4)]
+        before = dict(eng.stats)
+        got = eng.generate(reqs, SamplingParams(temperature=3.0))
+        tree = sum(len(eng.tokenizer.encode(c, add_special_tokens=False)) for c in choices)
+        assert eng.stats["choice_tokens"] - before["choice_tokens"] == tree  # one row, not four
+        want = [plain.generate([r], SamplingParams(temperature=3.0))[0] for r in reqs]
+        assert [g[0].text for g in got] == [g[0].text for g in want]
+    finally:
+        eng.close()

@@ -1,0 +1,139 @@
+"""What the hf engine's scheduler works on, and how one token or one choice is drawn.
+
+A `Job` is one submitted request and its future; a sample job becomes `n` `Seq`s (one per sample,
+each with its own uniform stream), a choice job one or more `ChoiceRow`s. Futures are resolved
+exactly once, with generations (errors included), never with an exception.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from whale.engine.base import GenerationRequest, SamplingParams, error_generations
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted request: `kind` "sample" (n sequences), "choice" (draw among choices) or
+    "score" (return log p of each choice; `HFEngine.choice_logprobs`)."""
+
+    future: Future
+    kind: str
+    prompt: list[int]
+    sampling: SamplingParams
+    request: GenerationRequest | None = None
+    seeds: list[int] = field(default_factory=list)
+    max_new: int = 0
+    stop: list[str] = field(default_factory=list)
+    choice_ids: list[list[int]] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    scores: torch.Tensor | None = None
+    remaining: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Seq:
+    """Sample `index` of a sample job. Its slab row holds the KV of (prompt + ids)[:kv_len]."""
+
+    job: Job
+    index: int
+    prompt: list[int]
+    prompt_np: np.ndarray
+    uniforms: list[float]
+    stop_window: int
+    ids: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    finish: str | None = None
+    start: int = 0  # prompt columns copied from a shared prefix
+    row: int = -1
+    tree: list[list[int]] = field(default_factory=list)  # no choice tokens
+
+    def next_token(self) -> int:
+        """The token the next decode step feeds: the last prompt token while the prompt is not all
+        in the KV (a row that joined from a shared prefix), then the last sampled one."""
+        return self.prompt[self.kv_len] if self.kv_len < len(self.prompt) else self.ids[-1]
+
+
+@dataclass(eq=False)
+class ChoiceRow:
+    """Some choices of a choice/score job, scored in one row after the prompt."""
+
+    job: Job
+    choices: list[int]  # indices into job.choice_ids
+    prompt: list[int]
+    prompt_np: np.ndarray
+    start: int = 0
+    row: int = -1
+
+    @property
+    def tree(self) -> list[list[int]]:
+        return [self.job.choice_ids[c] for c in self.choices]
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Next token per row by inverse-CDF sampling with the row's uniform `u` (greedy at T=0)."""
+    if sampling.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    order = None
+    if 0 < sampling.top_k < logits.shape[-1]:
+        logits, order = logits.topk(sampling.top_k, dim=-1)  # sorted, largest first
+    elif sampling.top_p < 1.0:
+        logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:  # nucleus: keep the smallest prefix with mass >= top_p
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_(max=cdf.shape[-1] - 1)
+    return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
+
+
+def draw_choices(logp: torch.Tensor, seeds: list[int], temperature: float) -> list[int]:
+    """Indices of the drawn choices, one per seed: softmax(logp / T), argmax at T=0."""
+    if temperature <= 0:
+        return [int(logp.argmax())] * len(seeds)
+    cdf = torch.softmax(logp / temperature, dim=-1).cumsum(-1)
+    picks = []
+    for seed in seeds:
+        u = 1.0 - torch.rand(1, generator=torch.Generator().manual_seed(seed % (1 << 63)))
+        picks.append(int(torch.searchsorted(cdf, u * cdf[-1]).clamp(max=len(logp) - 1)))
+    return picks
+
+
+def weights_stamp(model: Any) -> tuple[int, int]:
+    """Changes whenever a parameter is modified in place (autograd's version counters) or swapped."""
+    return id(model), sum(p._version for p in model.parameters())
+
+
+def start_job(job: Job) -> bool:
+    """Mark a job as running; False if its future was cancelled (then it is dropped)."""
+    if job.done:
+        return False
+    if not job.started:
+        job.started = True
+        if not job.future.set_running_or_notify_cancel():
+            job.done = True
+            return False
+    return True
+
+
+def resolve_job(job: Job) -> None:
+    if not job.done:
+        job.done = True
+        job.future.set_result(job.results)
+
+
+def fail_job(job: Job, message: str) -> None:
+    if not job.done:
+        job.done = True
+        if not job.started and not job.future.set_running_or_notify_cancel():
+            return
+        job.future.set_result(error_generations(message))
+

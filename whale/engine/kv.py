@@ -1,0 +1,203 @@
+"""KV storage of the hf engine: a slab with one row per live sequence, and a prefix cache.
+
+Why not transformers' DynamicCache: it appends with `torch.cat`, so every decode step copies the
+whole cache of every layer, and a sequence joining a running batch must be padded to the batch's
+length (another copy of everything). Measured side by side in benchmarks/kv_cache_decode.py.
+
+The slab is one tensor [layers, 2 (keys, values), rows, kv_heads, columns, head_dim]. A forward
+writes its new keys/values in place at (row, column) pairs it chooses and attends to a prefix of
+columns under a 4D mask the scheduler builds, so rows have lengths of their own. A sequence joins
+by filling its own row, leaves by having the last row moved into its place (one row copied), and
+a shared prefix is one copy of its columns from another row or from the prefix cache.
+
+Columns are storage, not positions: rotary positions come from `position_ids`, which is what lets
+the choices of one request sit side by side in a row (tree attention, see the scheduler).
+
+Unwritten columns are zeros and stale columns hold finite values from earlier sequences: masked
+columns get zero attention weight, and 0 x finite = 0 (0 x NaN would not be), which is why the
+slab starts zeroed and why padding queries attend column 0 instead of nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import Cache
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class KVSlab:
+    """Keys and values of the sequences in flight; allocated on the first write, grown on demand."""
+
+    def __init__(self, n_layers: int, device: torch.device):
+        self.n_layers = n_layers
+        self.device = device
+        self.data: torch.Tensor | None = None
+        self.rows = 0  # capacity, allocated or wanted
+        self.cols = 0
+        self.kind: tuple[int, int, torch.dtype] | None = None  # (kv heads, head dim, dtype) once seen
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    def clear(self) -> None:
+        """Free the storage (the scheduler does when it goes idle, e.g. before training)."""
+        self.data, self.rows, self.cols = None, 0, 0
+
+    def reserve(self, rows: int, cols: int) -> None:
+        """Make room for `rows` rows of `cols` columns, keeping what is stored."""
+        if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
+            return
+        # grow by half at least, so rows joining one by one (or a sequence growing one column per
+        # step) copy the slab a logarithmic number of times, not on every join
+        new_rows = self.rows if rows <= self.rows else max(rows, self.rows + self.rows // 2, 4)
+        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
+        new_cols = -(-new_cols // 64) * 64
+        old = self.data
+        self.rows, self.cols = new_rows, new_cols
+        if self.kind is not None:
+            self._allocate()
+            if old is not None:
+                self.data[:, :, : old.shape[2], :, : old.shape[4]] = old
+
+    def _allocate(self) -> None:
+        heads, dim, dtype = self.kind
+        self.rows, self.cols = max(self.rows, 1), max(self.cols, 64)
+        self.data = torch.zeros((self.n_layers, 2, self.rows, heads, self.cols, dim), dtype=dtype, device=self.device)
+
+    def layer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """[2, rows, heads, cols, dim] of layer `index`; the first keys ever seen fix the slab's shape."""
+        kind = (like.shape[1], like.shape[3], like.dtype)
+        if self.kind is None:
+            self.kind = kind
+        elif kind != self.kind:
+            raise ValueError("the hf engine needs the same number of KV heads, head size and dtype in every layer")
+        if self.data is None:
+            self._allocate()
+        return self.data[index]
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        if length > 0 and src != dst:
+            self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
+
+    def load_row(self, dst: int, kv: torch.Tensor, length: int) -> None:
+        """Write the first `length` columns of a prefix-cache entry [layers, 2, heads, cols, dim]."""
+        if length > 0:
+            self.data[:, :, dst, :, :length] = kv[:, :, :, :length]
+
+    def read_row(self, row: int, length: int) -> torch.Tensor:
+        return self.data[:, :, row, :, :length].clone()
+
+    def view(self, first_row: int, n_rows: int, write_rows: torch.Tensor, write_cols: torch.Tensor,
+             read_cols: int) -> "SlabView":
+        return SlabView(self, first_row, n_rows, write_rows, write_cols, read_cols)
+
+
+class SlabView(Cache):
+    """What one forward sees as its KV cache: rows [first_row, first_row + n_rows) of the slab.
+
+    `update` (called by every attention layer) writes the new keys/values of query (i, t) at slab
+    row write_rows[i, t], column write_cols[i, t], and returns the first `read_cols` columns of the
+    forward's rows (a view: no copy of the cache).
+    """
+
+    def __init__(self, slab: KVSlab, first_row: int, n_rows: int, write_rows: torch.Tensor,
+                 write_cols: torch.Tensor, read_cols: int):
+        super().__init__(layers=[])
+        self.slab = slab
+        self.first_row, self.n_rows = first_row, n_rows
+        self.write_rows, self.write_cols = write_rows, write_cols
+        self.read_cols = read_cols
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        kv = self.slab.layer(layer_idx, key_states)
+        keys, values = kv[0], kv[1]
+        # advanced indices around a slice: the indexed shape is [batch, query, heads, dim]
+        keys[self.write_rows, :, self.write_cols] = key_states.transpose(1, 2)
+        values[self.write_rows, :, self.write_cols] = value_states.transpose(1, 2)
+        rows = slice(self.first_row, self.first_row + self.n_rows)
+        return keys[rows, :, : self.read_cols], values[rows, :, : self.read_cols]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.read_cols
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@dataclass
+class _Entry:
+    key: int
+    ids: np.ndarray
+    kv: torch.Tensor  # [layers, 2, heads, len(ids), dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class PrefixCache:
+    """KV of token sequences seen before, least recently used evicted first, bounded in bytes.
+
+    An entry's KV at column t depends only on ids[: t + 1] and on the weights, so any request whose
+    prompt starts with an entry's first t ids can copy those t columns instead of computing them.
+    The owner must `clear()` it whenever the weights change.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, int(max_bytes))
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.bytes = 0
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def longest(self, ids: np.ndarray) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with `ids`, and that length."""
+        best, best_len = None, 0
+        for entry in self.entries.values():
+            n = common_prefix(ids, entry.ids)
+            if n > best_len:
+                best, best_len = entry, n
+        return best, best_len
+
+    def used(self, entry: _Entry) -> None:
+        """Mark `entry` as just used (copied from), so it is evicted last."""
+        if entry.key in self.entries:
+            self.entries.move_to_end(entry.key)
+
+    def wants(self, ids: np.ndarray, nbytes: int) -> bool:
+        """Is an entry of `ids` (costing `nbytes`) worth storing: it fits, and no entry already covers it?"""
+        if nbytes > self.max_bytes:
+            return False
+        return not any(len(e.ids) >= len(ids) and common_prefix(ids, e.ids) == len(ids)
+                       for e in self.entries.values())
+
+    def add(self, ids: np.ndarray, kv: torch.Tensor) -> None:
+        """Store `kv` for `ids`; drop entries it covers, then the least recently used until it fits."""
+        for key in [k for k, e in self.entries.items() if len(e.ids) <= len(ids)
+                    and common_prefix(ids, e.ids) == len(e.ids)]:
+            self.bytes -= self.entries.pop(key).nbytes
+        self._next += 1
+        entry = _Entry(self._next, ids, kv)
+        while self.entries and self.bytes + entry.nbytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.nbytes
+        self.entries[entry.key] = entry
+        self.bytes += entry.nbytes

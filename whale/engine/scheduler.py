@@ -1,0 +1,486 @@
+"""The hf engine's scheduler: one thread owns the model and batches continuously.
+
+Requests arrive as jobs from any thread (`enqueue`); each iteration of the thread
+1. admits waiting sequences into free rows of the KV slab (at most `max_batch_size` decode rows)
+   and prefills them, sampling each one's first token;
+2. scores every waiting `choices` request together, across episodes;
+3. runs one decode step of every live row. A row that finishes leaves at once (the last row moves
+   into its place) and its request's future resolves when its last sample is done.
+So an episode's next call joins the running batch at the next step instead of waiting for a whole
+static batch to drain.
+
+Prefix sharing. A sequence's prompt is compared with every live row and every prefix-cache entry
+(finished sequences: prompt + completion, so an episode's next call, which extends the previous
+prompt and completion, finds them). The longest shared prefix, up to all but the last prompt token
+(whose logits are needed), is copied instead of computed. When a sequence shares more with another
+one admitted in the same wave than with anything stored (the k samples of one problem, `n > 1`),
+it waits one prefill round and copies from that row; a sequence left with only its last prompt
+token to feed is a decode row already and joins the next decode step without a forward of its own.
+Prefill forwards group sequences of similar length (a small DP over padding plus a per-forward
+cost), so one long prompt does not pad thirty short ones. Any weight change clears the prefix cache:
+`paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
+checked before each prefill, catches an in-place optimizer step nobody announced.
+
+Choices (DESIGN §4, sequence level). One row holds the prompt and then all of a request's choices
+side by side: each choice token attends to the prompt and to its own earlier tokens only (a 4D
+"tree" mask), with rotary positions counted from the end of the prompt, so log p(choice | prompt)
+is exactly what a forward of prompt + choice alone gives, for all choices in one forward and for
+many requests in the same forward. Requests with the same prompt and choices are scored once.
+
+Decode attention (CPU): whale/engine/attention.py, two matmuls over the live rows' contiguous slab
+block, which beat sdpa's flash kernel on the strided view by a quarter to a third per step at 24-32
+rows; sdpa still serves prefill, GPUs and a slab that is mostly empty columns.
+
+Why samples stay exact: a sequence draws one uniform per step from its own generator seeded with
+its request's seed (`seed + i` for sample i), consumed in step order whatever the batch; the token
+is the inverse CDF of that uniform under its own logits. Its logits depend only on its own tokens
+(the mask hides everything else), so neither batch-mates nor the step at which it joined change
+what it samples, up to floating-point rounding of different batch shapes, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from whale.engine.attention import decode_attention
+from whale.engine.base import SamplingParams
+from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
+                               start_job, weights_stamp)
+from whale.engine.kv import KVSlab, PrefixCache, common_prefix
+from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
+
+if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
+    from whale.engine.hf import HFEngine
+
+MIN_SHARED = 16  # a prefix shorter than this is recomputed rather than waited for
+PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
+FORWARD_TOKENS = 32  # a forward's fixed cost (weights read, Python) in tokens of compute, on a CPU
+CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
+CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
+SLAB_DECODE_ATTENTION = True  # decode with whale.engine.attention on CPU (sdpa when False)
+IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
+
+
+def _new_stats() -> dict[str, float]:
+    return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
+            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0,
+            "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
+            "max_live_rows": 0, "slab_peak_bytes": 0, "prefix_peak_bytes": 0}
+
+
+class Scheduler:
+    """Continuous batching over `engine.model`; see the module docstring."""
+
+    def __init__(self, engine: "HFEngine", prefix_cache_bytes: int):
+        self.engine = engine
+        self.slab = KVSlab(engine.model.config.get_text_config().num_hidden_layers, engine.device)
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.rows: list[Seq] = []  # live sequences; rows[i] is in slab row i
+        self.waiting: list[Seq] = []
+        self.waiting_choices: list[Job] = []
+        self.cond = threading.Condition()
+        self.busy = False
+        self.pauses = 0
+        self.stopping = False
+        self.stamp: tuple[int, int] | None = None
+        self.thread: threading.Thread | None = None
+        self.stats = _new_stats()
+
+    # ------------------------------------------------------------------ other threads
+
+    def enqueue(self, jobs: list[Job]) -> None:
+        with self.cond:
+            if self.stopping:
+                for job in jobs:
+                    fail_job(job, "error: the engine is closed")
+                return
+            for job in jobs:
+                if job.kind == "sample":
+                    job.results = [None] * len(job.seeds)
+                    job.remaining = len(job.seeds)
+                    self.waiting.extend(self._seqs(job))
+                else:
+                    self.waiting_choices.append(job)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="whale-hf-scheduler", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def _seqs(self, job: Job) -> list[Seq]:
+        window = max((len(x) for x in job.stop), default=0) + 4
+        prompt_np = np.asarray(job.prompt, dtype=np.int64)
+        out = []
+        for i, seed in enumerate(job.seeds):
+            # one uniform per step from the sample's own generator: the stream depends only on
+            # (seed, max_new), never on the batch
+            gen = torch.Generator().manual_seed(seed % (1 << 63))
+            uniforms = (1.0 - torch.rand(job.max_new, generator=gen)).tolist()  # in (0, 1]
+            out.append(Seq(job, i, job.prompt, prompt_np, uniforms, window))
+        return out
+
+    @contextmanager
+    def paused(self):
+        """Hold the scheduler idle (live sequences finish first, none start); clear the prefix cache."""
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("weights cannot change from inside the engine thread (a future callback)")
+        with self.cond:
+            self.pauses += 1
+            while self.busy:
+                self.cond.wait()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.pauses -= 1
+                self._clear_prefix()
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            # no_grad rather than inference_mode: the trainer fine-tunes this same model in place,
+            # and inference tensors cached inside modules would break its backward pass.
+            while True:
+                with self.cond:
+                    while not self.stopping and not self._has_work():
+                        if self.busy:
+                            self.busy = False
+                            self.slab.clear()  # free the KV memory while idle (training may follow)
+                            self.cond.notify_all()
+                        if not self.cond.wait(IDLE_EXIT_S) and not self._has_work() and not self.stopping:
+                            self.thread = None  # idle for long: end, so a dropped engine can be freed
+                            return
+                    if self.stopping:
+                        break
+                    self.busy = True
+                    admitted, choice_jobs = self._admit()
+                try:
+                    self._step(admitted, choice_jobs)
+                except Exception as exc:  # noqa: BLE001 - fail what was in flight; the engine goes on
+                    self._fail_in_flight(f"error: engine failure: {type(exc).__name__}: {exc}", admitted,
+                                         choice_jobs)
+        with self.cond:
+            for seq in self.waiting:
+                fail_job(seq.job, "error: the engine is closed")
+            for job in self.waiting_choices:
+                fail_job(job, "error: the engine is closed")
+            self.waiting, self.waiting_choices = [], []
+            self.busy = False
+            self.cond.notify_all()
+        self._fail_in_flight("error: the engine is closed", [], [])
+
+    def _has_work(self) -> bool:
+        return bool(self.rows) or (not self.pauses and bool(self.waiting or self.waiting_choices))
+
+    def _admit(self) -> tuple[list[Seq], list[Job]]:
+        """Waiting sequences for the free rows (FIFO) and all waiting choice jobs; drops cancelled ones."""
+        if self.pauses:
+            return [], []
+        free = self.engine.max_batch_size - len(self.rows)
+        admitted: list[Seq] = []
+        while self.waiting and free > 0:
+            seq = self.waiting.pop(0)
+            if start_job(seq.job):
+                admitted.append(seq)
+                free -= 1
+        choice_jobs = [job for job in self.waiting_choices if start_job(job)]
+        self.waiting_choices = []
+        return admitted, choice_jobs
+
+    def _step(self, admitted: list[Seq], choice_jobs: list[Job]) -> None:
+        if admitted or choice_jobs:
+            stamp = weights_stamp(self.engine.model)
+            if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
+                self._clear_prefix()
+                self.stamp = stamp
+        if admitted:
+            self._prefill(admitted, first_row=len(self.rows))
+            self.rows.extend(sorted(admitted, key=lambda s: s.row))
+            self.stats["max_live_rows"] = max(self.stats["max_live_rows"], len(self.rows))
+            self._retire()
+        if choice_jobs:
+            self._score(choice_jobs)
+        if self.rows:
+            self._decode_step()
+            self._retire()
+        stats = self.stats
+        stats["slab_peak_bytes"] = max(stats["slab_peak_bytes"], self.slab.nbytes)
+        stats["prefix_peak_bytes"] = max(stats["prefix_peak_bytes"], self.prefix.bytes)
+
+    def _clear_prefix(self) -> None:
+        self.prefix.clear()
+        self.stamp = None
+        self.stats["cache_clears"] += 1
+
+    def _fail_in_flight(self, message: str, admitted: list[Seq], choice_jobs: list[Job]) -> None:
+        for seq in self.rows + admitted:
+            fail_job(seq.job, message)
+        for job in choice_jobs:
+            fail_job(job, message)
+        self.rows = []
+        self.slab.clear()
+        self.prefix.clear()
+        self.stamp = None
+
+    # ------------------------------------------------------------------ prefill
+
+    def _best_source(self, item: Seq | ChoiceRow, done: list[Seq | ChoiceRow]) -> tuple[int | None, Any, int]:
+        """(slab row, or None with a prefix-cache entry, shared length) of the longest usable prefix."""
+        limit = len(item.prompt) - 1  # the last prompt token is always computed: its logits are needed
+        best: tuple[int | None, Any, int] = (None, None, 0)
+        for seq in self.rows:
+            n = common_prefix(item.prompt_np, seq.prompt_np)
+            if n == len(seq.prompt):  # the prompt extends this sequence's prompt: compare its tokens too
+                rest = item.prompt[n:]
+                k = 0
+                while k < len(rest) and k < len(seq.ids) and rest[k] == seq.ids[k]:
+                    k += 1
+                n += k
+            n = min(n, seq.kv_len, limit)
+            if n > best[2]:
+                best = (seq.row, None, n)
+        for other in done:
+            n = min(common_prefix(item.prompt_np, other.prompt_np), prompt_cols(other), limit)
+            if n > best[2]:
+                best = (other.row, None, n)
+        entry, n = self.prefix.longest(item.prompt_np)
+        n = min(n, limit)
+        if n > best[2]:
+            best = (None, entry, n)
+        return best if best[2] >= MIN_SHARED else (None, None, 0)
+
+    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int) -> None:
+        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring)."""
+        pending, done, row = list(items), [], first_row
+        while pending:
+            this_round: list[tuple[Any, tuple]] = []
+            later = []
+            for item in pending:
+                source = self._best_source(item, done)
+                wave = max((common_prefix(item.prompt_np, o.prompt_np) for o, _ in this_round), default=0)
+                if min(wave, len(item.prompt) - 1) >= MIN_SHARED and wave > source[2]:
+                    later.append(item)  # copy it from that row next round instead of computing it twice
+                else:
+                    this_round.append((item, source))
+            this_round.sort(key=lambda x: -suffix_len(x[0], x[1][2]))
+            # a sequence left with one prompt token to feed is a decode row already: it joins the
+            # next decode step instead of costing a forward of its own (the k samples of a problem)
+            ready, rest = [], []
+            for x in this_round:
+                (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
+            chunks = ([ready] if ready else []) + self._chunks(rest)
+            for chunk in chunks:
+                for item, source in chunk:
+                    item.row, row = row, row + 1
+                self.slab.reserve(row, max(len(it.prompt) + tree_len(it) + 1 for it, _ in chunk))
+                for item, (src_row, entry, n) in chunk:
+                    item.start = n
+                    if n:
+                        self.stats["prefix_hits"] += 1
+                        if src_row is None:
+                            self.prefix.used(entry)
+                            self.slab.load_row(item.row, entry.kv, n)
+                        else:
+                            self.slab.copy_row(src_row, item.row, n)
+                if chunk is ready:
+                    for item, _ in chunk:
+                        item.kv_len = item.start
+                        self.stats["prefill_tokens_requested"] += len(item.prompt)
+                        self.stats["prefill_tokens_computed"] += 1
+                else:
+                    self._forward_chunk([item for item, _ in chunk])
+                done.extend(item for item, _ in chunk)
+            pending = later
+
+    def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
+        """Split `items` (sorted longest first) into forwards within the token and logits budgets."""
+        spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
+                            [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
+                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
+        return [items[i:j] for i, j in spans]
+
+    def _forward_chunk(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
+        """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
+        dev = self.engine.device
+        m = len(chunk)
+        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.engine.pad_id)
+        width, cols_needed = ids.shape[1], mask.shape[-1]
+        for it in chunk:
+            self.stats["prefill_tokens_requested"] += len(it.prompt)
+            self.stats["prefill_tokens_computed"] += len(it.prompt) - it.start
+            self.stats["choice_tokens"] += tree_len(it)
+        self.stats["prefill_tokens_padded"] += m * width
+        self.stats["prefill_forwards"] += 1
+        first = chunk[0].row
+        rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
+        view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
+        t0 = time.perf_counter()
+        logits = self._forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
+                               position_ids=pos.to(dev), logits_to_keep=keep)
+        seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]
+        if seqs:
+            for _, seq in seqs:
+                seq.kv_len = len(seq.prompt)
+            self._sample([s for _, s in seqs], logits[[j for j, _ in seqs], -1])
+        for j, it in enumerate(chunk):
+            if isinstance(it, ChoiceRow):
+                choice_scores(it, logits[j])
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The 4D mask as the attention implementation wants it: bool for sdpa, additive otherwise."""
+        if self.engine.model.config._attn_implementation == "sdpa":
+            return allowed
+        dtype = self.engine.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
+
+    def _forward(self, cache, **kwargs) -> torch.Tensor:
+        model = self.engine.model
+        training = model.training
+        if training:  # the trainer may have left it in train mode: sample without dropout
+            model.eval()
+        try:
+            out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)
+        finally:
+            if training:
+                model.train()
+        return out.logits
+
+    # ------------------------------------------------------------------ choices
+
+    def _score(self, jobs: list[Job]) -> None:
+        """Score all choice jobs (rows after the live ones, freed afterwards); draw and resolve them.
+
+        Jobs with the same prompt and the same choices (the k samples of one position) are scored
+        once: their log-probabilities are the same numbers, only their seeds differ."""
+        rows: list[ChoiceRow] = []
+        scored: dict[tuple, Job] = {}
+        for job in jobs:
+            key = (tuple(job.prompt), tuple(map(tuple, job.choice_ids)))
+            if key in scored:
+                job.scores = scored[key].scores  # filled in place when the first one is scored
+                self.stats["prefill_tokens_requested"] += len(job.prompt)
+                continue
+            scored[key] = job
+            job.scores = torch.zeros(len(job.choice_ids))
+            prompt_np = np.asarray(job.prompt, dtype=np.int64)
+            budget = max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1))
+            group: list[int] = []
+            size = 0
+            for c, choice in enumerate(job.choice_ids):
+                if group and size + len(choice) > budget:
+                    rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
+                    group, size = [], 0
+                group.append(c)
+                size += len(choice)
+            rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
+        self._prefill(rows, first_row=len(self.rows))
+        remembered = set()
+        for row in rows:  # the prompt's KV, for the episode's next call (a chess move loop)
+            if id(row.job) not in remembered:
+                remembered.add(id(row.job))
+                self._remember(row.prompt_np, row.row, len(row.prompt))
+        for job in jobs:
+            if job.kind == "score":
+                job.results = [job.scores.clone()]
+            else:
+                picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
+                job.results = [self.engine.choice_generation(job, c) for c in picks]
+            resolve_job(job)
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_step(self) -> None:
+        dev = self.engine.device
+        n = len(self.rows)
+        kv = torch.tensor([s.kv_len for s in self.rows])
+        self.slab.reserve(n, int(kv.max()) + 1)
+        tokens = torch.tensor([[s.next_token()] for s in self.rows], device=dev)
+        joining = sum(1 for s in self.rows if s.kv_len < len(s.prompt))  # their last prompt token
+        cols = kv.unsqueeze(-1).to(dev)
+        t0 = time.perf_counter()
+        width = int(kv.max()) + 1
+        # slab attention reads every column of the live rows (contiguous) under an additive mask:
+        # worth it unless most of the columns are beyond every live row
+        use_slab = SLAB_DECODE_ATTENTION and dev.type == "cpu" and self.slab.cols <= 2 * width
+        with decode_attention(self.engine.model, enabled=use_slab) as slab:
+            width = self.slab.cols if slab else width
+            allowed = (torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width).to(dev)
+            mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")) if slab \
+                else self._mask(allowed)
+            view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
+            logits = self._forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
+        for s in self.rows:
+            s.kv_len += 1
+        self._sample(self.rows, logits[:, -1])
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += n - joining
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
+        u = torch.tensor([s.uniforms[len(s.ids)] for s in seqs], device=logits.device)
+        first = seqs[0].job.sampling
+        if all(s.job.sampling == first for s in seqs):
+            tokens = sample_tokens(logits, u, first).tolist()
+        else:
+            tokens = [0] * len(seqs)
+            groups: dict[SamplingParams, list[int]] = {}
+            for i, s in enumerate(seqs):
+                groups.setdefault(s.job.sampling, []).append(i)
+            for sampling, idx in groups.items():
+                for i, tok in zip(idx, sample_tokens(logits[idx], u[idx], sampling).tolist()):
+                    tokens[i] = tok
+        eos = self.engine.eos_ids
+        for s, tok in zip(seqs, tokens):
+            s.ids.append(tok)
+            if tok in eos:
+                s.finish = "stop"
+            elif s.job.stop and self.engine.hit_stop(s.ids, s.job.stop, s.stop_window):
+                s.finish = "stop"
+            elif len(s.ids) >= s.job.max_new:
+                s.finish = "length"
+
+    def _retire(self) -> None:
+        """Resolve finished sequences, keep their KV in the prefix cache, compact the live rows."""
+        if all(s.finish is None for s in self.rows):
+            return
+        for row, s in enumerate(self.rows):
+            if s.finish is not None:
+                fed = s.prompt + s.ids[:-1]
+                self._remember(np.asarray(fed, dtype=np.int64), row, s.kv_len)
+                s.job.results[s.index] = self.engine.finish_generation(s)
+                s.job.remaining -= 1
+                if s.job.remaining == 0:
+                    resolve_job(s.job)
+        live = sum(1 for s in self.rows if s.finish is None)
+        holes = [i for i in range(live) if self.rows[i].finish is not None]
+        movers = [i for i in range(live, len(self.rows)) if self.rows[i].finish is None]
+        for hole, mover in zip(holes, movers):  # the last rows move into the holes: one row copied each
+            self.slab.copy_row(mover, hole, self.rows[mover].kv_len)
+            self.rows[hole] = self.rows[mover]
+            self.rows[hole].row = hole
+        self.rows = self.rows[:live]
+
+    def _remember(self, ids: np.ndarray, row: int, length: int) -> None:
+        if length < MIN_SHARED or self.slab.data is None:
+            return
+        ids = ids[:length]
+        per_col = self.slab.nbytes // max(1, self.slab.rows * self.slab.cols)
+        if self.prefix.wants(ids, length * per_col):
+            self.prefix.add(ids, self.slab.read_row(row, length))
