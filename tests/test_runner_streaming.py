@@ -79,3 +79,43 @@ def test_next_call_does_not_wait_for_an_unrelated_call():
     # the fast episode made all three calls while the slow call was still in the engine
     assert engine.fast_calls == 3 and elapsed < 15, elapsed
     assert runner.stats["llm_calls"] == 4
+
+
+CHILD = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from toy import ToyDomain
+from whale.config import Config
+from whale.engine.null import NullEngine
+from whale.harness.runner import RolloutRunner
+runner = RolloutRunner(NullEngine(), ToyDomain(2), Config())
+print(runner._pool().submit(os.getpid).result(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_grader_workers_exit_when_their_run_is_sigkilled(tmp_path):
+    """A SIGKILLed run cannot shut its grader pool down; the workers must not outlive it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=tests)], stdout=subprocess.PIPE, text=True)
+    worker = int(child.stdout.readline())
+    os.kill(worker, 0)  # alive while its run is
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{worker}/status").exists() and "zombie" in Path(f"/proc/{worker}/status").read_text():
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError(f"grader worker {worker} outlived its SIGKILLed run by 15 s")

@@ -44,6 +44,20 @@ ROLES = {"system", "user", "assistant", "tool"}
 MAX_FORGED = 50  # unparseable or off-schema messages tolerated before the episode is killed
 
 
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """Grader-worker initializer: exit once the process that started the pool is gone.
+
+    Why: a SIGKILLed run cannot shut its pool down, and a spawn worker holds both ends of its call
+    queue, so it would wait forever (~300 MB each; a few dozen killed runs filled a 24 GiB machine)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="whale-grader-parent-watch").start()
+
+
 def derive_seed(*parts: Any) -> int:
     """Seeds from (run, phase, step, problem, sample, call): stable across runs and batch-mates."""
     digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
@@ -154,7 +168,8 @@ class RolloutRunner:
         with self._grade_lock:
             if self._grade_pool is None:
                 self._grade_pool = ProcessPoolExecutor(
-                    max(1, self.cfg.runner.grader_processes), mp_context=multiprocessing.get_context("spawn"))
+                    max(1, self.cfg.runner.grader_processes), mp_context=multiprocessing.get_context("spawn"),
+                    initializer=exit_with_parent, initargs=(os.getpid(),))
             return self._grade_pool
 
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
