@@ -114,3 +114,15 @@ def test_run_can_start_from_a_user_harness(tiny_model_dir, tmp_path):
     bad.write_text("import numpy\ndef run(env, llm):\n    pass\n")  # not an allowed import
     with pytest.raises(ConfigError, match="harness.initial"):
         run_experiment(tiny_config(tiny_model_dir, **{"harness.initial": str(bad)}), out=tmp_path / "b")
+
+
+def test_intermediate_splits_spare_test_between_the_first_and_the_last_evaluation(tiny_model_dir, tmp_path):
+    """eval.intermediate_splits=[val]: val at every phase end, test only at the start and at the run's end."""
+    cfg = tiny_config(tiny_model_dir, **{"eval.intermediate_splits": "[val]"})
+    run_dir = run_experiment(cfg, out=tmp_path / "run")
+    evals = [(r["split"], r["tag"]) for r in read_metrics(run_dir) if r.get("event") == "eval"]
+    test_tags = [t for s, t in evals if s == "test"]
+    val_tags = [t for s, t in evals if s == "val"]
+    assert test_tags[0] == "initial" and len(test_tags) == 2, evals
+    assert test_tags[-1] == val_tags[-1] != "initial"  # the run's last evaluation measured test too
+    assert len(val_tags) >= 3  # initial, after the weight phase, ..., the end

@@ -87,7 +87,7 @@ def _weights_folder(spec: Optional[str], run: Optional[str]) -> Optional[str]:
 
 @app.command("eval")
 def eval_cmd(
-    domain: Optional[str] = typer.Option(None, help="searchqa | math | chess (default: the config's, else searchqa)"),
+    domain: Optional[str] = typer.Option(None, help="searchqa | math | chess | reasoning_gym | verifiers (default: the config's, else searchqa)"),
     harness: str = typer.Option("h0", help="harness file, h0 for the domain's base harness, or with --run a "
                                 "candidate id (h3)"),
     model: Optional[str] = typer.Option(None, help="model id or folder (default: offline SmolLM2-135M)"),
@@ -258,7 +258,7 @@ def matrix_cmd(
 
 
 @harness_app.command("validate")
-def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa | math | chess"),
+def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa | math | chess | reasoning_gym | verifiers"),
                      config: Optional[str] = typer.Option(None), set_: list[str] = typer.Option([], "--set"),
                      prompt_only: bool = typer.Option(False, help="also check that only the prompts differ from h0")):
     """The same checks the search applies: static checks, then a smoke episode in the sandbox."""

@@ -226,15 +226,17 @@ class Experiment:
         work): the next phase, and the evaluation that closes this one as `pending_eval`."""
         st = self.state
         if self.cfg.eval.at_phase_ends:
-            st["pending_eval"] = self._eval_marker(tag)
+            st["pending_eval"] = self._eval_marker(tag, last=next_phase == "done")
         elif next_phase == "done":
             st["pending_eval"] = self._eval_marker("final")
         st["phase"] = next_phase
 
     # ------------------------------------------------------------------ evaluation
-    def _eval_marker(self, tag: str) -> dict[str, Any]:
-        """A pending evaluation; it keeps the phase and cycle it closes for its metrics rows."""
-        return {"tag": tag, "phase": self.state["phase"], "cycle": self.state["cycle"]}
+    def _eval_marker(self, tag: str, last: bool = False) -> dict[str, Any]:
+        """A pending evaluation; it keeps the phase and cycle it closes for its metrics rows.
+        `last`: it closes the run, so it measures every split (`eval.intermediate_splits` spares
+        only the evaluations in between)."""
+        return {"tag": tag, "phase": self.state["phase"], "cycle": self.state["cycle"], "last": last}
 
     def finish_pending_eval(self) -> None:
         pending = self.state.get("pending_eval")
@@ -249,7 +251,7 @@ class Experiment:
         st, tag = self.state, pending["tag"]
         hid, version = st["harness_id"], st["weights_version"]
         splits = self.cfg.eval.splits
-        if tag not in ("initial", "final") and self.cfg.eval.intermediate_splits is not None:
+        if tag not in ("initial", "final") and not pending.get("last") and self.cfg.eval.intermediate_splits is not None:
             splits = self.cfg.eval.intermediate_splits
         last = st.setdefault("last_eval_pairs", {})
         for split in splits:
