@@ -328,7 +328,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
         best_val = max(val, key=lambda r: r["mean_at_k"])
         pair = (best_val.get("harness"), best_val.get("weights_version"))  # test may be measured at other tags
         same = [r for r in test if r.get("tag") == best_val.get("tag")
-                or (r.get("harness"), r.get("weights_version")) == pair]
+                or (None not in pair and (r.get("harness"), r.get("weights_version")) == pair)]
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
     state_path = Path(run_dir) / "state.json"
