@@ -97,7 +97,7 @@ def run_one(method: str, seed: int, args) -> bool:
 
 
 def compare(args) -> Path | None:
-    from whale.report import compare_runs
+    from whale.compare import compare_runs
 
     dirs = [Path(args.out) / f"{m}-s{s}" for s in args.seeds for m in args.methods]
     dirs = [d for d in dirs if (d / "metrics.jsonl").exists()]

@@ -8,7 +8,8 @@ import pytest
 from toy import H0
 
 from whale.config import ConfigError, load_config
-from whale.report import compare_runs, write_report
+from whale.compare import compare_runs
+from whale.report import write_report
 from whale.run import run_experiment
 from whale.store import load_summary, read_metrics
 

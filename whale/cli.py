@@ -231,7 +231,7 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
                 ref: list[str] = typer.Option([], "--ref", help="method to difference the others against "
                                               "(repeatable; default: the first method)")):
     """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
-    from whale.report import compare_runs
+    from whale.compare import compare_runs
 
     try:
         path = compare_runs(run_dirs, out, references=ref or None)

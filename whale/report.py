@@ -2,9 +2,8 @@
 
 `write_report(run_dir)` turns one run's metrics.jsonl and archive into report/report.md and plots
 (test/val mean@k against cumulative budget rollouts and tokens with the phases shaded, the weight
-phase's accept rate, the harness lineage). `compare_runs(dirs)` puts several runs side by side:
-the paper-style table (best / final / val-selected mean@k, rollouts, wall time) with seeds
-aggregated per method, paired bootstrap intervals against the first method, and overlay plots.
+phase's accept rate, the harness lineage). Several runs side
+by side: whale/compare.py.
 
 The three test numbers are reported together on purpose: "best" is the paper's (the maximum of
 the test curve, i.e. selected on test), "val-selected" is the honest one.
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ PHASE_COLORS = {"weight": "#dbe9f6", "harness": "#f6e3db"}
 PHASE_COLORS_STRONG = {"W": "#4c8ed1", "H": "#d8774f"}
 
 
-def _load(run_dir: Path) -> tuple[list[dict], dict, dict]:
+def load_run(run_dir: Path) -> tuple[list[dict], dict, dict]:
     if not (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} has no metrics.jsonl (not a run directory, or the run has not started)")
     import yaml
@@ -41,7 +39,7 @@ def _load(run_dir: Path) -> tuple[list[dict], dict, dict]:
     return rows, state, cfg
 
 
-def _x(row: dict, axis: str) -> float:
+def x_value(row: dict, axis: str) -> float:
     led = row.get("ledger", {})
     return led.get("budget_rollouts", 0) if axis == "rollouts" else led.get("tokens", 0)
 
@@ -54,7 +52,7 @@ def _phase_spans(rows: list[dict], axis: str) -> list[tuple[str, float, float]]:
                                                       else None)
         if phase is None:
             continue
-        x = _x(r, axis)
+        x = x_value(r, axis)
         if spans and spans[-1][0] == phase:
             spans[-1] = (phase, spans[-1][1], x)
         else:
@@ -68,7 +66,7 @@ def _curve_plot(rows: list[dict], axis: str, path: Path, title: str) -> None:
     for phase, a, b in _phase_spans(rows, axis):
         ax.axvspan(a, b, color=PHASE_COLORS[phase], lw=0)
     for split, style in (("test", "o-"), ("val", "s--")):
-        pts = [(_x(r, axis), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
+        pts = [(x_value(r, axis), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
         if pts:
             ax.plot(*zip(*pts), style, label=f"{split} mean@k")
     from matplotlib.patches import Patch
@@ -158,7 +156,7 @@ def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
             point, lo, hi = paired_bootstrap([r["per_problem"]], [prev["per_problem"]])
             out.append({"phases": "+".join(phases) or "-", "from": prev.get("tag"), "to": r.get("tag"),
                         "before": prev["mean_at_k"], "after": r["mean_at_k"], "gain": point, "ci95": [lo, hi],
-                        "budget_rollouts": _x(r, "rollouts") - _x(prev, "rollouts")})
+                        "budget_rollouts": x_value(r, "rollouts") - x_value(prev, "rollouts")})
         prev, phases = r, []
     return out
 
@@ -217,7 +215,7 @@ def write_report(run_dir: str | Path) -> Path:
     from whale.run import load_summary
 
     run_dir = Path(run_dir)
-    rows, state, cfg = _load(run_dir)
+    rows, state, cfg = load_run(run_dir)
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     name = cfg.get("name", run_dir.name)
@@ -235,8 +233,8 @@ def write_report(run_dir: str | Path) -> Path:
              f"grader: **{cfg.get('domain', {}).get('grader')}**",
              f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s", "",
              "## Test mean@k", "", "| initial | final | best (paper's, selected on test) | val-selected (honest) |",
-             "|---|---|---|---|", f"| {_fmt(s['initial'])} | {_fmt(s['final'])} | {_fmt(s['best'])} | "
-             f"{_fmt(s['val_selected'])} |", "",
+             "|---|---|---|---|", f"| {fmt(s['initial'])} | {fmt(s['final'])} | {fmt(s['best'])} | "
+             f"{fmt(s['val_selected'])} |", "",
              "## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
     for purpose, n in sorted(led.get("rollouts", {}).items()):
         lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
@@ -254,7 +252,7 @@ def write_report(run_dir: str | Path) -> Path:
         for r in evals:
             ci = r.get("ci95", [0, 0])
             lines.append(f"| {r['unit']} | {r['split']} | {r.get('harness')} | {r.get('weights_version')} | "
-                         f"{r['mean_at_k']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | {r['pass_at_k']:.3f} | {_x(r, 'rollouts')} |")
+                         f"{r['mean_at_k']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | {r['pass_at_k']:.3f} | {x_value(r, 'rollouts')} |")
         last = evals[-1]
         if last.get("per_source"):
             lines += ["", f"Per data source (last evaluation, {last['split']}):", "", "| source | n | mean@k | pass@k |",
@@ -308,20 +306,8 @@ def _matrix_section(run_dir: Path) -> list[str]:
     return ["## Harness x weights matrix", "", *body]
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.3f}"
-
-
-# ---------------------------------------------------------------------- compare
-def _method(cfg: dict) -> str:
-    s = cfg.get("schedule", {})
-    kind = s.get("kind", "?")
-    return kind + ("+adaptive" if s.get("adaptive") else "")
-
-
-def _final_test_per_problem(rows: list[dict]) -> list[float] | None:
-    test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test" and r.get("per_problem")]
-    return test[-1]["per_problem"] if test else None
 
 
 def paired_bootstrap(a: list[list[float]], b: list[list[float]], iters: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -347,162 +333,3 @@ def paired_bootstrap(a: list[list[float]], b: list[list[float]], iters: int = 20
     samples = sorted(diff([rng.randrange(len(pairs)) for _ in pairs], lambda n: [rng.randrange(n) for _ in range(n)])
                      for _ in range(iters))
     return round(point, 4), round(samples[int(0.025 * iters)], 4), round(samples[int(0.975 * iters) - 1], 4)
-
-
-def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", references: list[str] | None = None) -> Path:
-    """`references`: methods to difference every other method against (default: the first one)."""
-    from whale.run import load_summary
-
-    if not run_dirs:
-        raise ConfigError("compare needs at least one run directory")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for d in map(Path, run_dirs):
-        rows, state, cfg = _load(d)
-        s = load_summary(d)
-        by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
-                                        "per_problem": _final_test_per_problem(rows)})
-    methods = list(by_method)
-    lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Initial: the first evaluation "
-             "(incoming harness, base weights). Budget rollouts = weight + harness search.", "",
-             "| method | runs | initial | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for m in methods:
-        runs = by_method[m]
-        cells = [_mean_sd([r["summary"].get(key) for r in runs]) for key in ("initial", "best", "final", "val_selected")]
-        budget = _mean_sd([r["summary"]["ledger"].get("budget_rollouts") for r in runs], digits=0)
-        total = _mean_sd([sum(r["summary"]["ledger"].get("rollouts", {}).values()) for r in runs], digits=0)
-        secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
-        lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
-    lines += _per_seed_table(by_method)
-    for ref in [m for m in (references or methods[:1]) if m in by_method]:
-        lines += _difference_table(by_method, ref)
-    lines += _phase_sums_table(by_method)
-    if "weight_only" in by_method:
-        lines += _reach_table(by_method, "weight_only")
-    # per-source breakdown of the final test evaluation
-    lines += ["", "Per data source (final test evaluation, mean over runs):", ""]
-    sources = sorted({s for m in methods for r in by_method[m] for s in _last_sources(r["rows"])})
-    if sources:
-        lines += ["| method | " + " | ".join(sources) + " |", "|---|" + "---|" * len(sources)]
-        for m in methods:
-            vals = []
-            for src in sources:
-                xs = [_last_sources(r["rows"]).get(src) for r in by_method[m]]
-                vals.append(_mean_sd(xs))
-            lines.append(f"| {m} | " + " | ".join(vals) + " |")
-    for axis in ("rollouts", "tokens"):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for ci, m in enumerate(methods):
-            for j, r in enumerate(by_method[m]):
-                pts = [(_x(x, axis), x["mean_at_k"]) for x in r["rows"] if x.get("event") == "eval" and x.get("split") == "test"]
-                if pts:
-                    ax.plot(*zip(*pts), "o-", color=f"C{ci}", alpha=0.8, ms=3, label=m if j == 0 else None)
-        ax.set_xlabel(f"cumulative budget {axis}" if axis == "rollouts" else "cumulative tokens")
-        ax.set_ylabel("test mean@k")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"compare_{axis}.png", dpi=120)
-        plt.close(fig)
-    lines += ["", "![test mean@k vs rollouts](compare_rollouts.png)", "", "![test mean@k vs tokens](compare_tokens.png)", ""]
-    (out / "compare.md").write_text("\n".join(lines))
-    return out / "compare.md"
-
-
-def _difference_table(by_method: dict[str, list[dict]], ref: str) -> list[str]:
-    ref_by_seed = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[ref] if r["per_problem"]}
-    if len(by_method) < 2 or not ref_by_seed:
-        return []
-    lines = ["", f"Final test mean@k difference against **{ref}**, paired bootstrap over seeds and problems "
-             "(same seed = same splits; 95%):", "", "| method | seeds | difference | 95% CI |", "|---|---|---|---|"]
-    for m in by_method:
-        if m == ref:
-            continue
-        mine = {r["cfg"].get("seed"): r["per_problem"] for r in by_method[m] if r["per_problem"]}
-        common = sorted(set(mine) & set(ref_by_seed))
-        if common:
-            d, lo, hi = paired_bootstrap([mine[s] for s in common], [ref_by_seed[s] for s in common])
-            lines.append(f"| {m} | {len(common)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
-    return lines
-
-
-def _phase_sums_table(by_method: dict[str, list[dict]], split: str = "val") -> list[str]:
-    """What each side bought, summed over a run's phases (phase attribution on `split`), mean over seeds."""
-    def sums(rows):
-        weight, harness, mixed = 0.0, [], 0.0
-        for p in phase_attribution(rows, split):
-            kinds = {label[0] for label in p["phases"].split("+")}
-            if kinds == {"W"}:
-                weight += p["gain"]
-            elif kinds == {"H"}:
-                harness.append(p["gain"])
-            else:
-                mixed += p["gain"]
-        return {"W": weight, "H": sum(harness), "H1": harness[0] if harness else None,
-                "Hlater": sum(harness[1:]) if len(harness) > 1 else None, "mixed": mixed}
-
-    table = {m: [sums(r["rows"]) for r in runs] for m, runs in by_method.items()}
-    if not any(phase_attribution(r["rows"], split) for runs in by_method.values() for r in runs):
-        return []
-    lines = ["", f"What each side bought ({split} mean@k gains attributed to phases, summed per run; mean ± sd over "
-             "seeds). H1 = the first harness phase (after the first weight phase, or under the base weights for "
-             "harness-only), later H = every harness phase after more weight updates:", "",
-             "| method | weight phases | harness phases | H1 | later H | mixed intervals |", "|---|---|---|---|---|---|"]
-    for m, rows in table.items():
-        lines.append(f"| {m} | " + " | ".join(_mean_sd([r[k] for r in rows]) for k in ("W", "H", "H1", "Hlater", "mixed"))
-                     + " |")
-    return lines
-
-
-def _reach_table(by_method: dict[str, list[dict]], ref: str, split: str = "val") -> list[str]:
-    """Budget rollouts each method needed to first reach `ref`'s best `split` mean@k (same seed)."""
-    def curve(rows):
-        return [(_x(r, "rollouts"), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
-
-    target = {r["cfg"].get("seed"): max((y for _, y in curve(r["rows"])), default=None) for r in by_method[ref]}
-    lines = ["", f"Budget rollouts to first reach **{ref}**'s best {split} mean@k of the same seed (its own curve: "
-             f"evaluations at phase ends and every eval.every_steps):", "",
-             "| method | reached (seeds) | budget rollouts (mean ± sd over the seeds that reached it) |", "|---|---|---|"]
-    for m, runs in by_method.items():
-        hits = []
-        for r in runs:
-            goal = target.get(r["cfg"].get("seed"))
-            if goal is not None and goal > 0:
-                xs = [x for x, y in curve(r["rows"]) if y >= goal - 1e-9]
-                hits.append(xs[0] if xs else None)
-        reached = [h for h in hits if h is not None]
-        lines.append(f"| {m} | {len(reached)}/{len(hits)} | {_mean_sd(reached, digits=0)} |")
-    return lines
-
-
-def _per_seed_table(by_method: dict[str, list[dict]]) -> list[str]:
-    """Each run on its own: test mean@k at the start and the end, and the (harness, weights) it ended with."""
-    seeds = sorted({r["cfg"].get("seed") for runs in by_method.values() for r in runs}, key=str)
-    lines = ["", "Per seed: test mean@k initial → final (final harness, weights):", "",
-             "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
-    for m, runs in by_method.items():
-        cells = []
-        for seed in seeds:
-            mine = [r["summary"] for r in runs if r["cfg"].get("seed") == seed]
-            cells.append("; ".join(f"{_fmt(x.get('initial'))} → {_fmt(x.get('final'))} "
-                                   f"({x.get('harness_id') or '?'}, {x.get('weights_version') or '?'})"
-                                   for x in mine) or "-")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _last_sources(rows: list[dict]) -> dict[str, float]:
-    test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test"]
-    return {k: v["mean_at_k"] for k, v in (test[-1].get("per_source") or {}).items()} if test else {}
-
-
-def _mean_sd(values: list[Any], digits: int = 3) -> str:
-    xs = [float(v) for v in values if v is not None]
-    if not xs:
-        return "-"
-    m = sum(xs) / len(xs)
-    if len(xs) == 1:
-        return f"{m:.{digits}f}"
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-    return f"{m:.{digits}f} ± {sd:.{digits}f}"
