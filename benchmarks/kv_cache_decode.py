@@ -25,15 +25,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from whale.engine.hf import HFEngine  # noqa: E402
 from whale.engine.kv import KVSlab  # noqa: E402
-
-
-def best_of(repeat, fn) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from machine import best_time  # noqa: E402  (benchmarks/ is the script's folder)
 
 
 def main() -> None:
@@ -118,8 +110,8 @@ def main() -> None:
                     attention_mask=mask, position_ids=cols, logits_to_keep=1)
             return time.perf_counter() - start, slab
 
-        prefill_alone = best_of(args.repeat, lambda: forward(DynamicCache(config=model.config), input_ids=newcomer,
-                                                             logits_to_keep=1))
+        prefill_alone = best_time(lambda: forward(DynamicCache(config=model.config), input_ids=newcomer,
+                                                  logits_to_keep=1), args.repeat, warmup=False)
         results = {"dynamic step": [], "slab step": [], "dynamic merge": [], "slab join (prefill)": []}
         for _ in range(args.repeat):  # alternate, so load changes on a shared machine hit both
             results["dynamic step"].append(dynamic_steps())

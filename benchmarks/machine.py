@@ -28,8 +28,10 @@ from whale.engine.hf import resolve_dtype  # noqa: E402
 DECODE_M = (1, 4, 8, 16, 32, 64)
 
 
-def _best(fn, repeat: int = 5) -> float:
-    fn()
+def best_time(fn, repeat: int = 5, warmup: bool = True) -> float:
+    """The fastest of `repeat` timed calls of `fn` (after one untimed call when `warmup`)."""
+    if warmup:
+        fn()
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
@@ -43,14 +45,14 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
     x = torch.randn(m, k, dtype=dtype)
     inner = max(1, 4096 // m)
     with torch.no_grad():
-        seconds = _best(lambda: [lin(x) for _ in range(inner)]) / inner
+        seconds = best_time(lambda: [lin(x) for _ in range(inner)]) / inner
     return 2 * m * k * n / seconds / 1e9
 
 
 def memory_gbps(mib: int = 512) -> float:
     src = torch.empty(mib * 2**20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _best(lambda: dst.copy_(src), 3) / 1e9
+    return 2 * src.numel() / best_time(lambda: dst.copy_(src), 3) / 1e9
 
 
 def model_costs(name: str = "smollm2-135m") -> dict:
