@@ -105,50 +105,49 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class WandbTracker:
+class _WandbStyleRun:
+    """log/table/close for libraries with W&B's run API (wandb and trackio): `self.lib` is the
+    module (for its Table), `self.run` the run its `init` returned."""
+
+    lib: Any
+    run: Any
+
+    def log(self, scalars: dict[str, float], rollouts: int, tokens: int) -> None:
+        self.run.log(scalars)
+
+    def table(self, name: str, columns: tuple[str, ...], rows: list[list[Any]]) -> None:
+        self.run.log({name: self.lib.Table(columns=list(columns), data=rows)})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class WandbTracker(_WandbStyleRun):
     """A W&B run in DIR/wandb (WANDB_MODE=offline keeps it local; `wandb sync` uploads it later).
     The run id is fixed per run directory, so `whale run --resume` continues the same W&B run."""
 
     def __init__(self, folder: Path, cfg: Config, run_id: str):
         import wandb  # optional extra
 
-        self.wandb = wandb
+        self.lib = wandb
         (folder / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=cfg.logging.project, name=cfg.name, id=run_id, resume="allow",
                               dir=str(folder), config=cfg.model_dump(mode="json"))
         self.run.define_metric("ledger/budget_rollouts")
         self.run.define_metric("*", step_metric="ledger/budget_rollouts")
 
-    def log(self, scalars: dict[str, float], rollouts: int, tokens: int) -> None:
-        self.run.log(scalars)
 
-    def table(self, name: str, columns: tuple[str, ...], rows: list[list[Any]]) -> None:
-        self.run.log({name: self.wandb.Table(columns=list(columns), data=rows)})
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class TrackioTracker:
+class TrackioTracker(_WandbStyleRun):
     """A Trackio run: a local SQLite file per project under TRACKIO_DIR (Trackio's own default,
     ~/.cache/huggingface/trackio, when unset); `trackio show` opens the dashboard."""
 
     def __init__(self, folder: Path, cfg: Config, run_id: str):
         import trackio  # optional extra
 
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=cfg.logging.project, name=f"{cfg.name}-{run_id}", resume="allow",
                                 config=cfg.model_dump(mode="json"), embed=False, auto_log_cpu=False,
                                 auto_log_gpu=False)
-
-    def log(self, scalars: dict[str, float], rollouts: int, tokens: int) -> None:
-        self.run.log(scalars)
-
-    def table(self, name: str, columns: tuple[str, ...], rows: list[list[Any]]) -> None:
-        self.run.log({name: self.trackio.Table(columns=list(columns), data=rows)})
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MlflowTracker:
