@@ -2,6 +2,7 @@
 
 Per workload, side by side in one process (same problems, same seeds, so the same calls):
   runner  RolloutRunner episodes/s: sandboxes, RPC, tools, grading, the streaming hf engine
+  lockstep the same runner with runner.lockstep=all (deterministic batches, engine/lockstep.py)
   raw     the same engine replaying exactly the runner's recorded calls, each episode's calls in
           order (call i+1 submitted when call i returned), `concurrency` episodes at once, no
           sandbox and no tools: the ceiling the runner can reach
@@ -75,11 +76,30 @@ class Recorder:
     def count_tokens(self, messages):
         return self.engine.count_tokens(messages)
 
+    def lockstep(self, clients):
+        gate = self.engine.lockstep(clients)
+        return None if gate is None else _RecordedGate(gate, self.requests)
+
     def load_weights(self, path, version):
         self.engine.load_weights(path, version)
 
     def close(self):
         pass
+
+
+class _RecordedGate:
+    def __init__(self, gate, requests):
+        self.gate, self.requests = gate, requests
+
+    def submit(self, client, order, request, sampling):
+        self.requests.append(request)
+        return self.gate.submit(client, order, request, sampling)
+
+    def leave(self, client):
+        self.gate.leave(client)
+
+    def close(self):
+        self.gate.close()
 
 
 def episodes_of(requests, problems, samples, seed, max_calls):
@@ -171,7 +191,9 @@ def run_workload(name, args, limits) -> dict:
     config, harness_path, extra = WORKLOADS[name]
     n_eps = args.problems * args.k
     cfg = load_config(ROOT / config, extra + [f"runner.concurrency={min(args.concurrency, n_eps)}",
-                                              f"domain.splits.test={args.problems}"])
+                                              f"domain.splits.test={args.problems}", "runner.lockstep=never"])
+    cfg_lockstep = cfg.model_copy(deep=True)
+    cfg_lockstep.runner.lockstep = "all"
     domain = load_domain(cfg)
     problems = domain.load_splits()["test"][: args.problems]
     harness = (ROOT / harness_path).read_text() if harness_path else domain.base_harness()
@@ -181,6 +203,7 @@ def run_workload(name, args, limits) -> dict:
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
     recorder = Recorder(engine)
     runner = RolloutRunner(recorder, domain, cfg)
+    runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep)
     before_runner = legacy_runner(old, domain, cfg) if args.before else None
     runner.run(harness, problems[:2], seed=99)  # warm-up: fork server, grader pool, kernels
     old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
@@ -200,6 +223,10 @@ def run_workload(name, args, limits) -> dict:
         waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
         legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
         same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
+        fresh(engine)
+        t0 = time.perf_counter()
+        lockstep_trajs = runner_lockstep.run(harness, problems, samples=args.k, seed=rep)
+        lockstep_s = time.perf_counter() - t0
         before_s = None
         if before_runner is not None:
             t0 = time.perf_counter()
@@ -211,6 +238,7 @@ def run_workload(name, args, limits) -> dict:
             "mean_reward": statistics.fmean(t.reward for t in trajs),
             "runner_eps": len(trajs) / runner_s, "raw_eps": len(trajs) / raw_s,
             "runner_over_raw": raw_s / runner_s,
+            "lockstep_eps": len(lockstep_trajs) / lockstep_s, "lockstep_over_runner": runner_s / lockstep_s,
             "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
             "legacy_tok_s": generated(legacy_gens) / legacy_s,
             "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
@@ -225,7 +253,8 @@ def run_workload(name, args, limits) -> dict:
         }
         rows.append(row)
         print(f"[{name} {rep}] runner {row['runner_eps']:.2f} ep/s, raw {row['raw_eps']:.2f} ep/s "
-              f"(runner/raw {row['runner_over_raw']:.2f}); tok/s raw {row['raw_tok_s']:.1f}, "
+              f"(runner/raw {row['runner_over_raw']:.2f}), lockstep {row['lockstep_eps']:.2f} ep/s "
+              f"(lockstep/runner {row['lockstep_over_runner']:.2f}); tok/s raw {row['raw_tok_s']:.1f}, "
               f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
               f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
               f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
@@ -233,6 +262,7 @@ def run_workload(name, args, limits) -> dict:
               + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
                  if before_s else ""), flush=True)
     runner.close()
+    runner_lockstep.close()
     if before_runner is not None:
         before_runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
@@ -251,7 +281,7 @@ def summarize(rows, limits) -> dict:
     decode_tps = st["decode_tokens"] / max(st["decode_seconds"], 1e-9)
     live = st["decode_tokens"] / max(st["decode_steps"], 1)
     return {
-        "runner_over_raw": mean("runner_over_raw"), "raw_over_legacy": mean("raw_over_legacy"),
+        "runner_over_raw": mean("runner_over_raw"), "lockstep_over_runner": mean("lockstep_over_runner"), "raw_over_legacy": mean("raw_over_legacy"),
         "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
         "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
         "waves_over_legacy": mean("waves_over_legacy"), "runner_eps": mean("runner_eps"), "raw_eps": mean("raw_eps"),

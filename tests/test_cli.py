@@ -61,6 +61,26 @@ def test_eval_on_a_run_reproduces_its_final_evaluation(tiny_run):
     assert_same_numbers(by_path, final)
 
 
+def test_eval_reproduces_a_bf16_run_bit_for_bit(tiny_model_dir, tmp_path):
+    """In bf16 a sample depends on its batch-mates' shapes; runner.lockstep (the default) makes the
+    batches a function of the episodes, so a re-evaluation draws exactly the run's tokens."""
+    run = run_experiment(tiny_config(tiny_model_dir, **{"model.dtype": "bfloat16", "schedule.kind": "weight_only",
+                                                        "schedule.budget_epochs": 0.5}), out=tmp_path / "bf16")
+    final = eval_rows(run, "test")[-1]
+    assert final["weights_version"].startswith("w")
+    summary = whale("eval", "--run", run, "--harness", final["harness"], "--weights", final["weights_version"],
+                    "--split", "test", "--out", tmp_path / "again")
+    assert_same_numbers(summary, final)
+
+    def completions(path):
+        trajs = sorted((json.loads(line) for line in path.read_text().splitlines()),
+                       key=lambda t: (t["problem_id"], t["sample"]))
+        return [[c["completion"] for c in t["calls"]] for t in trajs]
+
+    recorded = completions(run / "evals" / f"{final['unit']}.jsonl")
+    assert len(recorded) == summary["rollouts"] and completions(tmp_path / "again" / "traces.jsonl") == recorded
+
+
 def test_eval_on_a_run_reproduces_its_initial_evaluation(tiny_run):
     initial = next(r for r in eval_rows(tiny_run, "val") if r["tag"] == "initial")
     assert (initial["harness"], initial["weights_version"]) == ("h0", "base")

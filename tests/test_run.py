@@ -18,8 +18,9 @@ TESTS = Path(__file__).resolve().parent
 
 def tiny_config(model_dir, **over):
     sets = [
-        # float32: a sample is then a function of its seed, whatever its batch-mates or the prefix
-        # cache held (bf16 rounds batch shapes differently: ~1 in 4 tiny-model samples changed)
+        # float32: the same run shape (steps, phases, evaluations the kill points of test_resume aim
+        # at) on machines with and without bf16 matmuls; bf16 runs are exact too under the default
+        # runner.lockstep (test_lockstep.py, test_cli.py's bf16 reproduction)
         f"model.name={model_dir}", "model.dtype=float32", "model.max_model_len=480", "domain.module=toy:ParityDomain",
         "domain.splits.weight=16", "domain.splits.harness=4", "domain.splits.val=4", "domain.splits.test=4",
         "domain.budget.seconds=20", "sampling.max_tokens=8", "weight.problems_per_step=4",

@@ -55,6 +55,9 @@ class GatedEngine:
     def count_tokens(self, messages):
         return 1
 
+    def lockstep(self, clients):
+        return None  # answers by its own timing rule: no deterministic batches
+
     def load_weights(self, path, version):
         pass
 

@@ -93,7 +93,9 @@ class SandboxConfig(_Strict):
 
 class RunnerConfig(_Strict):
     concurrency: int = Field(32, ge=1, description="episodes in flight")
-    batch_window_ms: float = Field(20.0, ge=0, description="wait this long for more llm() calls before a flush")
+    lockstep: Literal["all", "eval", "never"] = Field(
+        "all", description="batch model calls as a function of the episodes alone, not of timing "
+        "(engine/lockstep.py): 'all' rollouts, 'eval' only, or 'never'; bit-exact re-runs need it")
     grader_processes: int = 2
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 

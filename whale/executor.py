@@ -185,6 +185,10 @@ class EngineProxy:
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         return wait_all([self.submit(r, sampling) for r in requests])
 
+    def lockstep(self, clients: int) -> None:
+        """No deterministic batching: the driver batches calls from many machines by arrival."""
+        return None
+
     def count_tokens(self, messages: list[dict[str, Any]]) -> int:
         return self._call("count_tokens", messages)
 

@@ -95,7 +95,9 @@ class Engine(Protocol):
     all": per request, a list of `n` generations, under the same rule.
 
     `weight_sync` is a declared capability (see `WeightSync`): callers decide how to train and
-    push weights from it, never by probing attributes.
+    push weights from it, never by probing attributes. So is `lockstep`: an engine that can batch
+    as a function of the request stream alone returns a `LockstepGate`, one that cannot (a vLLM
+    server, an endpoint, a queue of whole batches) returns None and its samples depend on timing.
     """
 
     weights_version: str
@@ -110,9 +112,27 @@ class Engine(Protocol):
 
     def count_tokens(self, messages: list[dict[str, Any]]) -> int: ...
 
+    def lockstep(self, clients: int) -> "LockstepGate | None":
+        """Batch the calls of `clients` episode slots deterministically (engine/lockstep.py), or None."""
+        ...
+
     def load_weights(self, path: str | None, version: str) -> None:
         """Serve the adapter/checkpoint at `path` from now on (None: back to the base model)."""
         ...
+
+    def close(self) -> None: ...
+
+
+class LockstepGate(Protocol):
+    """What `Engine.lockstep` returns: submit per client, in a fixed order within each step.
+
+    A client is running until it submits and again once its call resolves; the engine steps only
+    while none is running. `leave` when a client has no more episodes; `close` when the batch ends."""
+
+    def submit(self, client: int, order: int, request: GenerationRequest,
+               sampling: SamplingParams) -> Future[list[Generation]]: ...
+
+    def leave(self, client: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -161,6 +181,10 @@ class QueuedSubmit:
     queue is empty, so an idle engine holds no thread. A `generate` that raises fails the calls of
     that batch with error generations, never the futures.
     """
+
+    def lockstep(self, clients: int) -> None:
+        """Whole batches form from whatever queued meanwhile: no deterministic batching."""
+        return None
 
     def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]:
         future: Future[list[Generation]] = Future()

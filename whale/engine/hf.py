@@ -38,6 +38,7 @@ from whale.engine.base import (Generation, GenerationRequest, SamplingParams, er
                                weights_kind)
 from whale.engine.default_model import resolve_model_path
 from whale.engine.jobs import Job, Seq
+from whale.engine.lockstep import Lockstep
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -169,12 +170,17 @@ class HFEngine:
         """Queue one request (any thread, returns at once); a bad request resolves to an error generation."""
         future: Future[list[Generation]] = Future()
         try:
-            job = self._job(request, sampling, future)
+            job = self.make_job(request, sampling, future)
         except Exception as exc:  # one bad request fails one episode, never its batch-mates
             future.set_result([self._error(f"error: {exc}")])
             return future
         self.scheduler.enqueue([job])
         return future
+
+    def lockstep(self, clients: int) -> Lockstep:
+        """Schedule the calls of `clients` episode slots in lockstep (engine/lockstep.py): the batches,
+        and so the samples, follow from the episodes alone, whatever the timing."""
+        return Lockstep(self, clients)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         """Submit all, wait all (enqueued together, so the first prefill sees every request)."""
@@ -183,13 +189,13 @@ class HFEngine:
             future: Future[list[Generation]] = Future()
             futures.append(future)
             try:
-                jobs.append(self._job(req, sampling, future))
+                jobs.append(self.make_job(req, sampling, future))
             except Exception as exc:
                 future.set_result([self._error(f"error: {exc}")])
         self.scheduler.enqueue(jobs)
         return wait_all(futures)
 
-    def _job(self, req: GenerationRequest, sampling: SamplingParams, future: Future) -> Job:
+    def make_job(self, req: GenerationRequest, sampling: SamplingParams, future: Future) -> Job:
         """Validate one request and turn it into a scheduler job (raises ValueError on bad input)."""
         if not isinstance(req.n, int) or req.n < 1:
             raise ValueError(f"n must be a positive integer, got {req.n!r}")

@@ -36,6 +36,9 @@ class Job:
     remaining: int = 0
     started: bool = False
     done: bool = False
+    order: int | None = None  # admission order within a step under a lockstep (engine/lockstep.py)
+    gate: Any = None  # that Lockstep, told when the job resolves (before its future is set)
+    client: int = -1
 
 
 @dataclass(eq=False)
@@ -124,15 +127,22 @@ def start_job(job: Job) -> bool:
     return True
 
 
+def _wake(job: Job) -> None:
+    if job.gate is not None:
+        job.gate.wake(job.client)
+
+
 def resolve_job(job: Job) -> None:
     if not job.done:
         job.done = True
+        _wake(job)
         job.future.set_result(job.results)
 
 
 def fail_job(job: Job, message: str) -> None:
     if not job.done:
         job.done = True
+        _wake(job)
         if not job.started and not job.future.set_running_or_notify_cancel():
             return
         job.future.set_result(error_generations(message))

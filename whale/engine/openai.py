@@ -310,6 +310,10 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ the rest of the protocol
 
+    def lockstep(self, clients: int) -> None:
+        """No deterministic batching: a remote endpoint batches as it likes."""
+        return None
+
     def count_tokens(self, messages: list[dict[str, Any]]) -> int:
         """Approximate: 1 token per 4 characters of content (and tool calls), plus 4 per message."""
         chars = 0

@@ -53,6 +53,7 @@ from whale.engine.base import SamplingParams
 from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
                                start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
+from whale.engine.lockstep import Lockstep
 from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
@@ -90,12 +91,16 @@ class Scheduler:
         self.stopping = False
         self.stamp: tuple[int, int] | None = None
         self.thread: threading.Thread | None = None
+        self.gates: list[Lockstep] = []  # open locksteps (engine/lockstep.py)
         self.stats = _new_stats()
 
     # ------------------------------------------------------------------ other threads
 
-    def enqueue(self, jobs: list[Job]) -> None:
+    def enqueue(self, jobs: list[Job], blocked: tuple[Lockstep, int] | None = None) -> None:
+        """Queue jobs; `blocked`: the lockstep client now waiting on them (in the same critical section)."""
         with self.cond:
+            if blocked is not None:
+                blocked[0].block(blocked[1])
             if self.stopping:
                 for job in jobs:
                     fail_job(job, "error: the engine is closed")
@@ -156,12 +161,13 @@ class Scheduler:
             # and inference tensors cached inside modules would break its backward pass.
             while True:
                 with self.cond:
-                    while not self.stopping and not self._has_work():
-                        if self.busy:
+                    while not self.stopping and not (self._has_work() and not self._held()):
+                        if self.busy and not self._has_work():
                             self.busy = False
                             self.slab.clear()  # free the KV memory while idle (training may follow)
                             self.cond.notify_all()
-                        if not self.cond.wait(IDLE_EXIT_S) and not self._has_work() and not self.stopping:
+                        if (not self.cond.wait(IDLE_EXIT_S) and not self._has_work() and not self.gates
+                                and not self.stopping):
                             self.thread = None  # idle for long: end, so a dropped engine can be freed
                             return
                     if self.stopping:
@@ -186,11 +192,18 @@ class Scheduler:
     def _has_work(self) -> bool:
         return bool(self.rows) or (not self.pauses and bool(self.waiting or self.waiting_choices))
 
+    def _held(self) -> bool:
+        """A lockstep client is still running: its next call may belong to this step."""
+        return any(gate.holds for gate in self.gates)
+
     def _admit(self) -> tuple[list[Seq], list[Job]]:
         """Waiting sequences for the free rows (FIFO) and all waiting choice jobs; drops cancelled ones."""
         if self.pauses:
             return [], []
         free = self.engine.max_batch_size - len(self.rows)
+        if self.gates:  # lockstep: the episodes' order, not their arrival (stable: samples stay in order)
+            self.waiting.sort(key=lambda s: -1 if s.job.order is None else s.job.order)
+            self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
         admitted: list[Seq] = []
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)

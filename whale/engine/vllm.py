@@ -448,6 +448,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ the rest of the protocol
 
+    def lockstep(self, clients: int) -> None:
+        """No deterministic batching: the server batches by arrival; vLLM promises no batch invariance."""
+        return None
+
     def count_tokens(self, messages: list[dict[str, Any]]) -> int:
         """Exact: the server's tokenization of the rendered chat."""
         return len(self.tokenize_chat(messages))

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from whale.config import Config
 from whale.domains.base import Domain, EpisodeEnv, EpisodeError, Problem
-from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Engine, Generation, GenerationRequest, LockstepGate, SamplingParams
 from whale.harness.progress import ProgressBar
 from whale.harness.sandbox import UIDS, SandboxHost
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
@@ -172,17 +172,25 @@ class RolloutRunner:
                     initializer=exit_with_parent, initargs=(os.getpid(),))
             return self._grade_pool
 
+    def _lockstep(self, purpose: str, clients: int) -> LockstepGate | None:
+        mode = self.cfg.runner.lockstep
+        if mode == "never" or (mode == "eval" and purpose != "eval"):
+            return None
+        return self.engine.lockstep(clients)
+
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
-        host = SandboxHost(source, self.cfg.runner.sandbox, self.cfg.runner.concurrency)
+        slots = self.cfg.runner.concurrency
+        host = SandboxHost(source, self.cfg.runner.sandbox, slots)
         await host.start()
-        sem = asyncio.Semaphore(self.cfg.runner.concurrency)
         jobs = [(i, p, s) for i, p in enumerate(problems) for s in range(samples)]
         results: list[Trajectory | None] = [None] * len(jobs)
         bar = ProgressBar(progress, len(jobs))
+        gate = self._lockstep(purpose, min(slots, len(jobs)))
+        pending = iter(enumerate(jobs))  # shared by the slots: each takes the next job when it is free
+        graded: list[asyncio.Future] = []
 
-        async def one(j, idx, problem, sample):
-            async with sem:
-                traj = await self._episode(host, problem, sample, harness_id, seed, purpose, idx)
+        async def finish(j: int, problem: Problem, traj: Trajectory) -> None:
+            await self._grade_episode(problem, traj)
             results[j] = traj
             bar.advance(traj.reward)
             if on_episode is not None:
@@ -190,16 +198,38 @@ class RolloutRunner:
             if self.journal is not None:
                 self.journal(traj)
 
+        async def slot(w: int) -> None:
+            """One episode slot. Under a lockstep it is client `w`, running from one episode straight
+            into the next, and grading goes on beside it (the engine need not wait for a grader)."""
+            try:
+                for j, (idx, problem, sample) in pending:
+                    if gate is None:
+                        submit = lambda req: self.engine.submit(req, self.sampling)  # noqa: E731
+                    else:
+                        submit = lambda req, j=j: gate.submit(w, j, req, self.sampling)  # noqa: E731
+                    traj = await self._episode(host, problem, sample, harness_id, seed, purpose, idx, submit)
+                    if gate is None:
+                        await finish(j, problem, traj)
+                    else:
+                        graded.append(asyncio.ensure_future(finish(j, problem, traj)))
+            finally:
+                if gate is not None:
+                    gate.leave(w)
+
         try:
-            await asyncio.gather(*(one(j, *job) for j, job in enumerate(jobs)))
+            await asyncio.gather(*(slot(w) for w in range(min(slots, len(jobs)))))
+            await asyncio.gather(*graded)
         finally:
+            if gate is not None:
+                gate.close()
             await host.close()
             bar.close()
         self.stats["episodes"] += len(jobs)
         return results  # type: ignore[return-value]
 
-    async def _episode(self, host: SandboxHost, problem: Problem, sample: int,
-                       harness_id: str, seed: int, purpose: str, index: int) -> Trajectory:
+    async def _episode(self, host: SandboxHost, problem: Problem, sample: int, harness_id: str, seed: int,
+                       purpose: str, index: int, submit: Callable[[GenerationRequest], Any]) -> Trajectory:
+        """Play one episode (graded afterwards by `_grade_episode`)."""
         traj = Trajectory(problem_id=problem.id, sample=sample, harness_id=harness_id, source=problem.source,
                           question=problem.question, weights_version=self.engine.weights_version)
         if host.init_error:
@@ -214,7 +244,7 @@ class RolloutRunner:
             reader, writer = await host.spawn(episode, uid, derive_seed(seed, problem.id, sample, "py"),
                                               env.public_state(), sorted(set(env.tools) | {"submit"}))
             traj.error = await self._serve(env, traj, reader, writer, host, episode,
-                                           seed, problem, sample, started)
+                                           seed, problem, sample, started, submit)
         except Exception as exc:  # noqa: BLE001 - a runner bug must not kill the other episodes
             traj.error = f"runner error: {type(exc).__name__}: {exc}"
         finally:
@@ -233,11 +263,13 @@ class RolloutRunner:
             decide_usage(traj)  # which calls may be trained (usage.py)
         except Exception as exc:  # noqa: BLE001 - a bug there fails this episode, not the run
             traj.error = traj.error or f"runner error: deciding which calls are used: {type(exc).__name__}: {exc}"
+        return traj
+
+    async def _grade_episode(self, problem: Problem, traj: Trajectory) -> None:
         if traj.error is None and traj.answer is not None:
             traj.reward = await self._grade(problem, traj)
         elif traj.error is None:
             traj.error = "harness never submitted an answer"
-        return traj
 
     async def _grade(self, problem: Problem, traj: Trajectory) -> float:
         loop = asyncio.get_running_loop()
@@ -253,16 +285,17 @@ class RolloutRunner:
                     traj.error = f"grading failed: {type(exc).__name__}: {exc}"
         return 0.0
 
-    async def _llm(self, request: GenerationRequest) -> list[Generation]:
+    async def _llm(self, request: GenerationRequest, submit: Callable[[GenerationRequest], Any]) -> list[Generation]:
         """One model call: submitted as it arrives, awaited alone (the engine batches)."""
         self.stats["llm_calls"] += 1
         try:
-            return await asyncio.wrap_future(self.engine.submit(request, self.sampling))
+            return await asyncio.wrap_future(submit(request))
         except Exception as exc:  # noqa: BLE001 - an engine bug fails this call, the episode goes on
             return [Generation(text=f"engine error: {type(exc).__name__}: {exc}", finish_reason="error")]
 
-    async def _serve(self, env: EpisodeEnv, traj: Trajectory, reader, writer, host: SandboxHost, episode: str, seed: int, problem: Problem, sample: int,
-                     started: float) -> str | None:
+    async def _serve(self, env: EpisodeEnv, traj: Trajectory, reader, writer, host: SandboxHost, episode: str,
+                     seed: int, problem: Problem, sample: int, started: float,
+                     submit: Callable[[GenerationRequest], Any]) -> str | None:
         """Answer the episode's requests until it finishes; return its error (None if clean)."""
         budget = self.budget
         llm_calls = tool_calls = tokens = forged = 0
@@ -332,7 +365,7 @@ class RolloutRunner:
                     continue
                 req.seed = derive_seed(seed, problem.id, sample, llm_calls)
                 llm_calls += 1
-                gens = await self._llm(req)
+                gens = await self._llm(req, submit)
                 outs = []
                 for i, g in enumerate(gens):
                     tokens += g.prompt_tokens + g.completion_tokens

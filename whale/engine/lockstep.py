@@ -1,0 +1,100 @@
+"""Lockstep scheduling: batches that are a function of the request stream, not of timing.
+
+Why. Continuous batching puts a sequence beside whatever else is in flight, and low-precision
+kernels round differently with batch shape and row position (bf16 on this CPU: a GEMM of 24 rows
+gives a few rows other bits than the same rows computed alone; see docs/design.md). Which
+sequences share a step depends on when each episode's harness process got round to its next call,
+so two evaluations of the same (harness, weights, seed) drew different samples: `whale eval --run`
+could not reproduce a run's number in bf16, and a resumed run could not equal an unkilled one.
+
+How. The rollout runner opens a lockstep with one client per episode slot. A client is *running*
+(its harness code, a tool, a sandbox spawn or the hand-over to the next episode) or *blocked* (it
+has a call in the engine). The engine thread takes a step only when no client is running, so every
+call that will join a step has arrived before it; waiting requests are admitted in the order of
+their `order` key (the episode's index in the run), not their arrival. A client becomes blocked in
+the same critical section that enqueues its call and running again in the engine thread, before
+that call's future resolves, so no step can slip between the two. Opening a lockstep clears the
+prefix cache (a cached prefix computed in another batch would carry that batch's rounding), and
+the KV slab is empty whenever the engine is idle. Then the sequence of forwards, their shapes and
+every row's place in them follow from the episodes alone, and so do the sampled tokens: on the
+same machine, software and thread count a re-evaluation is bit-for-bit the original.
+
+Assumptions, stated: a harness makes one model call at a time (the sandbox RPC is synchronous);
+requests submitted outside the lockstep meanwhile are admitted as usual (determinism is then not
+promised). A client that stays running for long (a slow tool) holds the engine for that long; the
+cost on the shipped harnesses is measured in docs/throughput.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from whale.engine.base import GenerationRequest, SamplingParams, error_generations
+
+if TYPE_CHECKING:  # the scheduler imports this module; types only in the other direction
+    from whale.engine.hf import HFEngine
+
+
+class Lockstep:
+    """One rollout batch's clients on the hf engine (`HFEngine.lockstep`); see the module docstring."""
+
+    def __init__(self, engine: "HFEngine", clients: int):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.cond: threading.Condition = self.scheduler.cond
+        self.running: set[int] = set(range(clients))
+        self.closed = False
+        with self.scheduler.paused():  # wait for anything in flight; the prefix cache is cleared on exit
+            pass
+        with self.cond:
+            self.scheduler.gates.append(self)
+
+    @property
+    def holds(self) -> bool:
+        """True while some client may still send a call that belongs to the next step."""
+        return bool(self.running) and not self.closed
+
+    def submit(self, client: int, order: int, request: GenerationRequest,
+               sampling: SamplingParams) -> Future:
+        """`Engine.submit` for `client`, admitted in `order` among the calls of the same step."""
+        future: Future = Future()
+        try:
+            job = self.engine.make_job(request, sampling, future)
+        except Exception as exc:  # a bad request is answered at once; the client stays running
+            future.set_result(error_generations(f"error: {exc}"))
+            return future
+        job.order, job.gate, job.client = order, self, client
+        self.scheduler.enqueue([job], blocked=(self, client))
+        return future
+
+    def block(self, client: int) -> None:
+        """Called by the scheduler under its lock, in the critical section that enqueues the call."""
+        self.running.discard(client)
+
+    def wake(self, client: int) -> None:
+        """The client's call resolved (engine thread, before its future is set): it runs again."""
+        with self.cond:
+            if not self.closed:
+                self.running.add(client)
+
+    def leave(self, client: int) -> None:
+        """The client has no more episodes to play."""
+        with self.cond:
+            self.running.discard(client)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.running.clear()
+            if self in self.scheduler.gates:
+                self.scheduler.gates.remove(self)
+            self.cond.notify_all()
+
+    def __enter__(self) -> "Lockstep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
