@@ -62,7 +62,7 @@ class Lockstep:
         future: Future = Future()
         try:
             job = self.engine.make_job(request, sampling, future)
-        except Exception as exc:  # a bad request is answered at once; the client stays running
+        except Exception as exc:  # noqa: BLE001 - a bad request is answered at once; the client runs on
             future.set_result(error_generations(f"error: {exc}"))
             return future
         job.order, job.gate, job.client = order, self, client
@@ -92,9 +92,3 @@ class Lockstep:
             if self in self.scheduler.gates:
                 self.scheduler.gates.remove(self)
             self.cond.notify_all()
-
-    def __enter__(self) -> "Lockstep":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

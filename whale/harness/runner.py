@@ -203,10 +203,11 @@ class RolloutRunner:
             into the next, and grading goes on beside it (the engine need not wait for a grader)."""
             try:
                 for j, (idx, problem, sample) in pending:
-                    if gate is None:
-                        submit = lambda req: self.engine.submit(req, self.sampling)  # noqa: E731
-                    else:
-                        submit = lambda req, j=j: gate.submit(w, j, req, self.sampling)  # noqa: E731
+                    def submit(req: GenerationRequest, j: int = j) -> Any:
+                        if gate is None:
+                            return self.engine.submit(req, self.sampling)
+                        return gate.submit(w, j, req, self.sampling)
+
                     traj = await self._episode(host, problem, sample, harness_id, seed, purpose, idx, submit)
                     if gate is None:
                         await finish(j, problem, traj)
