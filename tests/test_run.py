@@ -10,7 +10,7 @@ from toy import H0
 from whale.config import ConfigError, load_config
 from whale.compare import compare_runs
 from whale.report import write_report
-from whale.run import run_experiment
+from whale.run import check_proposer, run_experiment
 from whale.store import load_summary, read_metrics
 
 TESTS = Path(__file__).resolve().parent
@@ -128,3 +128,16 @@ def test_intermediate_splits_spare_test_between_the_first_and_the_last_evaluatio
     assert test_tags[0] == "initial" and len(test_tags) == 2, evals
     assert test_tags[-1] == val_tags[-1] != "initial"  # the run's last evaluation measured test too
     assert len(val_tags) >= 3  # initial, after the weight phase, ..., the end
+
+
+def test_a_proposer_this_machine_cannot_run_fails_the_run_before_anything_starts(tiny_model_dir, tmp_path, monkeypatch):
+    """A missing agent CLI is a config error at `whale run`, not a crash at the first harness phase,
+    and it leaves no run directory behind (the fixed config starts the run afresh)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `claude` on PATH
+    cfg = tiny_config(tiny_model_dir, **{"harness.proposer": "agent_cli", "harness.agent": "claude_code",
+                                         "harness.agent_sandbox": "none"})
+    with pytest.raises(ConfigError, match="needs the `claude` CLI on PATH"):
+        run_experiment(cfg, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    cfg.schedule.kind = "weight_only"  # never proposes: the same settings do not stop it
+    check_proposer(cfg)

@@ -62,8 +62,10 @@ def run_experiment(cfg: Config | None, out: str | Path | None = None, resume: st
         if state.get("finished"):
             console.print(f"{run.path} is already finished")
             return run.path
+        check_proposer(cfg)
     else:
         assert cfg is not None
+        check_proposer(cfg)  # before the run directory exists: a fixed config can start it afresh
         run = RunDir.create(out or Path("runs") / cfg.name, cfg)
         state = {}
     try:
@@ -75,6 +77,13 @@ def run_experiment(cfg: Config | None, out: str | Path | None = None, resume: st
     finally:
         run.close()  # the trackers
     return run.path
+
+
+def check_proposer(cfg: Config) -> None:
+    """Build the configured proposer once, up front: a missing agent CLI or sandbox is a config
+    error at `whale run`, not a crash at the first harness phase an hour in."""
+    if cfg.schedule.kind != "weight_only":
+        make_proposer(cfg)
 
 
 class Experiment:
