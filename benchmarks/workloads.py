@@ -206,6 +206,7 @@ def run_workload(name, args, limits) -> dict:
     runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep)
     before_runner = legacy_runner(old, domain, cfg) if args.before else None
     runner.run(harness, problems[:2], seed=99)  # warm-up: fork server, grader pool, kernels
+    runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
     old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
     rows = []
     for rep in range(args.repeat):
