@@ -76,8 +76,8 @@ class Recorder:
     def count_tokens(self, messages):
         return self.engine.count_tokens(messages)
 
-    def lockstep(self, clients):
-        gate = self.engine.lockstep(clients)
+    def lockstep(self, clients, hold_s=1.0):
+        gate = self.engine.lockstep(clients, hold_s)
         return None if gate is None else _RecordedGate(gate, self.requests)
 
     def load_weights(self, path, version):
@@ -100,6 +100,10 @@ class _RecordedGate:
 
     def close(self):
         self.gate.close()
+
+    @property
+    def breaks(self):
+        return self.gate.breaks
 
 
 def episodes_of(requests, problems, samples, seed, max_calls):
@@ -240,6 +244,7 @@ def run_workload(name, args, limits) -> dict:
             "runner_eps": len(trajs) / runner_s, "raw_eps": len(trajs) / raw_s,
             "runner_over_raw": raw_s / runner_s,
             "lockstep_eps": len(lockstep_trajs) / lockstep_s, "lockstep_over_runner": runner_s / lockstep_s,
+            "lockstep_breaks": runner_lockstep.last_lockstep_breaks,
             "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
             "legacy_tok_s": generated(legacy_gens) / legacy_s,
             "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
@@ -255,7 +260,7 @@ def run_workload(name, args, limits) -> dict:
         rows.append(row)
         print(f"[{name} {rep}] runner {row['runner_eps']:.2f} ep/s, raw {row['raw_eps']:.2f} ep/s "
               f"(runner/raw {row['runner_over_raw']:.2f}), lockstep {row['lockstep_eps']:.2f} ep/s "
-              f"(lockstep/runner {row['lockstep_over_runner']:.2f}); tok/s raw {row['raw_tok_s']:.1f}, "
+              f"(lockstep/runner {row['lockstep_over_runner']:.2f}, breaks {row['lockstep_breaks']}); tok/s raw {row['raw_tok_s']:.1f}, "
               f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
               f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
               f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "

@@ -71,6 +71,7 @@ def test_eval_reproduces_a_bf16_run_bit_for_bit(tiny_model_dir, tmp_path):
     summary = whale("eval", "--run", run, "--harness", final["harness"], "--weights", final["weights_version"],
                     "--split", "test", "--out", tmp_path / "again")
     assert_same_numbers(summary, final)
+    assert summary["lockstep_breaks"] == final["lockstep_breaks"] == 0  # both batches reproducible
 
     def completions(path):
         trajs = sorted((json.loads(line) for line in path.read_text().splitlines()),

@@ -52,6 +52,7 @@ def test_lockstep_evaluations_are_bit_identical_under_jittered_timing(bf16_engin
     finally:
         runner.close()
     assert all(len(calls) == 2 for calls in first)
+    assert runner.last_lockstep_breaks == 0
     changed = sum(a != b for a, b in zip(first, second))
     assert changed == 0, f"{changed} of {len(first)} episodes sampled other tokens the second time"
 
@@ -114,6 +115,23 @@ def test_a_bad_request_is_answered_at_once_and_a_leaving_client_releases_the_eng
     # after close, plain submits are served as before
     plain = bf16_engine.submit(GenerationRequest([{"role": "user", "content": "hi"}], seed=2), sampling)
     assert plain.result(timeout=60)[0].finish_reason in ("stop", "length")
+
+
+def test_the_engine_stops_waiting_for_a_stalled_client_and_counts_it(bf16_engine):
+    """A harness stuck in a slow tool must not hold the batch forever: after hold_s the engine goes
+    on without it, and the break is counted (the batch is then not bit-reproducible)."""
+    gate = bf16_engine.lockstep(2, hold_s=0.3)
+    try:
+        t0 = time.monotonic()
+        out = gate.submit(0, 0, GenerationRequest([{"role": "user", "content": "hi"}], seed=3),
+                          SamplingParams(max_tokens=4)).result(timeout=60)
+        assert out[0].finish_reason in ("stop", "length") and time.monotonic() - t0 >= 0.3
+        assert gate.breaks == 1  # client 1 never sent its call
+        late = gate.submit(1, 1, GenerationRequest([{"role": "user", "content": "hi"}], seed=4),
+                           SamplingParams(max_tokens=4))
+        assert late.result(timeout=60)[0].finish_reason in ("stop", "length")  # joins on arrival
+    finally:
+        gate.close()
 
 
 def test_engines_that_cannot_lockstep_say_so():

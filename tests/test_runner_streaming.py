@@ -55,7 +55,7 @@ class GatedEngine:
     def count_tokens(self, messages):
         return 1
 
-    def lockstep(self, clients):
+    def lockstep(self, clients, hold_s=1.0):
         return None  # answers by its own timing rule: no deterministic batches
 
     def load_weights(self, path, version):

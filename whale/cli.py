@@ -162,6 +162,9 @@ def eval_cmd(
                   f"{result.pass_at_k:.3f}")
     console.print(table)
     console.print(f"rollouts {result.rollouts}, errors {result.errors} {result.error_kinds or ''}")
+    if result.lockstep_breaks:
+        console.print(f"[yellow]not bit-reproducible:[/] the engine stopped waiting for {result.lockstep_breaks} "
+                      f"slow episode(s) (runner.lockstep_hold_s); a re-run agrees within sampling noise")
     if as_json:
         print(json.dumps(summary))
 

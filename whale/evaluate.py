@@ -38,6 +38,9 @@ class EvalResult:
     harness_id: str = ""
     weights_version: str = ""
     per_problem: list[float] = field(default_factory=list)
+    # None: not under a lockstep (samples depend on timing); 0: bit-reproducible; n: the engine
+    # stopped waiting for n slow episodes, so a re-run agrees within sampling noise only
+    lockstep_breaks: int | None = None
 
     def to_json(self, with_per_problem: bool = False) -> dict[str, Any]:
         row = asdict(self)
@@ -111,6 +114,7 @@ def evaluate(runner: RolloutRunner, harness_source: str, problems: list[Problem]
     trajs = runner.run(harness_source, problems, samples=k, harness_id=harness_id, seed=seed,
                        purpose="eval", progress=progress)
     result = summarize(trajs, problems, k, split)
+    result.lockstep_breaks = runner.last_lockstep_breaks
     if traces_path is not None:
         gold = {p.id: p.answer for p in problems}
         path = Path(traces_path)

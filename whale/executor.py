@@ -55,6 +55,9 @@ class Executor(Protocol):
     """Runs episodes: `RolloutRunner` (local) or `RayExecutor` (a Ray cluster)."""
 
     journal: Callable[[Trajectory], None] | None
+    # after each run: None if it was not under a lockstep, else how many clients the engine stopped
+    # waiting for (0: the batch is bit-reproducible; engine/lockstep.py)
+    last_lockstep_breaks: int | None
 
     def run(self, harness_source: str, problems: list[Problem], samples: int = 1, *, harness_id: str = "h0",
             seed: int = 0, purpose: str = "eval", progress: str | None = None,
@@ -185,7 +188,7 @@ class EngineProxy:
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         return wait_all([self.submit(r, sampling) for r in requests])
 
-    def lockstep(self, clients: int) -> None:
+    def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """No deterministic batching: the driver batches calls from many machines by arrival."""
         return None
 
@@ -244,6 +247,8 @@ class RunnerActor:
 # ---------------------------------------------------------------- driver
 class RayExecutor:
     """`RolloutRunner.run` on a Ray cluster; see the module docstring.
+
+    Its workers' calls reach the driver's engine by arrival: never under a lockstep.
 
     `cfg.compute.ray_address` attaches to a running cluster (`ray start --head` on one machine,
     `ray start --address=HEAD:6379` on the others); empty starts a local one. `num_actors`

@@ -112,8 +112,9 @@ class Engine(Protocol):
 
     def count_tokens(self, messages: list[dict[str, Any]]) -> int: ...
 
-    def lockstep(self, clients: int) -> "LockstepGate | None":
-        """Batch the calls of `clients` episode slots deterministically (engine/lockstep.py), or None."""
+    def lockstep(self, clients: int, hold_s: float = 1.0) -> "LockstepGate | None":
+        """Batch the calls of `clients` episode slots deterministically (engine/lockstep.py), or None.
+        The engine waits at most `hold_s` for a due call; past that it goes on and counts a break."""
         ...
 
     def load_weights(self, path: str | None, version: str) -> None:
@@ -135,6 +136,8 @@ class LockstepGate(Protocol):
     def leave(self, client: int) -> None: ...
 
     def close(self) -> None: ...
+
+    breaks: int  # clients the engine stopped waiting for (0: the batch is bit-reproducible)
 
 
 @runtime_checkable
@@ -182,7 +185,7 @@ class QueuedSubmit:
     that batch with error generations, never the futures.
     """
 
-    def lockstep(self, clients: int) -> None:
+    def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """Whole batches form from whatever queued meanwhile: no deterministic batching."""
         return None
 

@@ -39,6 +39,7 @@ class Job:
     order: int | None = None  # admission order within a step under a lockstep (engine/lockstep.py)
     gate: Any = None  # that Lockstep, told when the job resolves (before its future is set)
     client: int = -1
+    due: int | None = None  # the engine step it may be admitted at, under that lockstep
 
 
 @dataclass(eq=False)

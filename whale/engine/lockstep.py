@@ -9,11 +9,15 @@ could not reproduce a run's number in bf16, and a resumed run could not equal an
 
 How. The rollout runner opens a lockstep with one client per episode slot. A client is *running*
 (its harness code, a tool, a sandbox spawn or the hand-over to the next episode) or *blocked* (it
-has a call in the engine). The engine thread takes a step only when no client is running, so every
-call that will join a step has arrived before it; waiting requests are admitted in the order of
-their `order` key (the episode's index in the run), not their arrival. A client becomes blocked in
-the same critical section that enqueues its call and running again in the engine thread, before
-that call's future resolves, so no step can slip between the two. Opening a lockstep clears the
+has a call in the engine). The engine counts its steps. A client's next call is *due* `SLACK`
+steps after the step that resolved its previous one (at the lockstep's first step for its first
+call): it is admitted at that step, not before, even if it arrived early, and the engine does not
+take that step until the call is there (or the client has left). So the step at which a call joins
+is a function of the episodes alone, while the engine keeps decoding the other rows for `SLACK - 1`
+steps during a harness's turn-around instead of idling. Calls due at the same step are admitted in
+the order of their `order` key (the episode's index in the batch), not their arrival. A client
+becomes blocked in the critical section that enqueues its call, and running again in the engine
+thread before that call's future resolves, so no step can slip between the two. Opening a lockstep clears the
 prefix cache (a cached prefix computed in another batch would carry that batch's rounding), and
 the KV slab is empty whenever the engine is idle. Then the sequence of forwards, their shapes and
 every row's place in them follow from the episodes alone, and so do the sampled tokens: on the
@@ -33,6 +37,9 @@ from typing import TYPE_CHECKING
 
 from whale.engine.base import GenerationRequest, SamplingParams, error_generations
 
+SLACK = 2  # steps from a call's resolution to its successor's admission (1: the very next step)
+HOLD_S = 1.0  # the longest the engine waits for one due call before it goes on without it
+
 if TYPE_CHECKING:  # the scheduler imports this module; types only in the other direction
     from whale.engine.hf import HFEngine
 
@@ -40,8 +47,10 @@ if TYPE_CHECKING:  # the scheduler imports this module; types only in the other 
 class Lockstep:
     """One rollout batch's clients on the hf engine (`HFEngine.lockstep`); see the module docstring."""
 
-    def __init__(self, engine: "HFEngine", clients: int):
+    def __init__(self, engine: "HFEngine", clients: int, hold_s: float = HOLD_S):
         self.engine = engine
+        self.hold_s = hold_s
+        self.breaks = 0  # clients the engine stopped waiting for: the batch is then not reproducible
         self.scheduler = engine.scheduler
         self.cond: threading.Condition = self.scheduler.cond
         self.running: set[int] = set(range(clients))
@@ -49,12 +58,25 @@ class Lockstep:
         with self.scheduler.paused():  # wait for anything in flight; the prefix cache is cleared on exit
             pass
         with self.cond:
+            start = self.scheduler.step_no
+            self.due = {c: start for c in range(clients)}  # the step each client's next call is due at
             self.scheduler.gates.append(self)
 
-    @property
-    def holds(self) -> bool:
-        """True while some client may still send a call that belongs to the next step."""
-        return bool(self.running) and not self.closed
+    def holds(self, step: int) -> bool:
+        """True while a running client's next call is due at or before `step` (it is not here yet)."""
+        return not self.closed and any(self.due[c] <= step for c in self.running)
+
+    def let_go(self, step: int) -> None:
+        """The engine waited `hold_s` for the clients due at `step`: stop waiting for them (their
+        calls join when they come). Counted in `breaks`: this batch is no longer bit-reproducible."""
+        for c in self.running:
+            if self.due[c] <= step:
+                self.due[c] = 1 << 62  # never due: admitted on arrival (see submit)
+                self.breaks += 1
+
+    def next_due(self) -> int | None:
+        """The earliest step a running client's next call can be due at (None: none running)."""
+        return min((self.due[c] for c in self.running), default=None) if not self.closed else None
 
     def submit(self, client: int, order: int, request: GenerationRequest,
                sampling: SamplingParams) -> Future:
@@ -66,7 +88,9 @@ class Lockstep:
             future.set_result(error_generations(f"error: {exc}"))
             return future
         job.order, job.gate, job.client = order, self, client
-        self.scheduler.enqueue([job], blocked=(self, client))
+        with self.cond:  # the due step is read and the call queued in one critical section
+            job.due = self.due[client] if self.due[client] < 1 << 62 else None
+            self.scheduler.enqueue([job], blocked=(self, client))
         return future
 
     def block(self, client: int) -> None:
@@ -78,6 +102,7 @@ class Lockstep:
         with self.cond:
             if not self.closed:
                 self.running.add(client)
+                self.due[client] = self.scheduler.step_no + SLACK
 
     def leave(self, client: int) -> None:
         """The client has no more episodes to play."""

@@ -310,7 +310,7 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ the rest of the protocol
 
-    def lockstep(self, clients: int) -> None:
+    def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """No deterministic batching: a remote endpoint batches as it likes."""
         return None
 

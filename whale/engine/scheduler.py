@@ -92,6 +92,7 @@ class Scheduler:
         self.stamp: tuple[int, int] | None = None
         self.thread: threading.Thread | None = None
         self.gates: list[Lockstep] = []  # open locksteps (engine/lockstep.py)
+        self.step_no = 0  # the engine's clock under a lockstep: one per step, jumps over idle steps
         self.stats = _new_stats()
 
     # ------------------------------------------------------------------ other threads
@@ -161,12 +162,22 @@ class Scheduler:
             # and inference tensors cached inside modules would break its backward pass.
             while True:
                 with self.cond:
-                    while not self.stopping and not (self._has_work() and not self._held()):
+                    held_since: float | None = None
+                    while not self.stopping and not (self._advance_clock() and not self._held()):
                         if self.busy and not self._has_work():
                             self.busy = False
                             self.slab.clear()  # free the KV memory while idle (training may follow)
                             self.cond.notify_all()
-                        if (not self.cond.wait(IDLE_EXIT_S) and not self._has_work() and not self.gates
+                        timeout = IDLE_EXIT_S
+                        if self._has_work():  # held by a lockstep client whose call is due
+                            held_since = held_since or time.monotonic()
+                            timeout = max(0.0, min(g.hold_s for g in self.gates) - (time.monotonic() - held_since))
+                            if timeout == 0.0:
+                                for gate in self.gates:  # a slow tool or a hung harness: go on without it
+                                    if gate.holds(self.step_no):
+                                        gate.let_go(self.step_no)
+                                continue
+                        if (not self.cond.wait(timeout) and not self._has_work() and not self.gates
                                 and not self.stopping):
                             self.thread = None  # idle for long: end, so a dropped engine can be freed
                             return
@@ -179,6 +190,8 @@ class Scheduler:
                 except Exception as exc:  # noqa: BLE001 - fail what was in flight; the engine goes on
                     self._fail_in_flight(f"error: engine failure: {type(exc).__name__}: {exc}", admitted,
                                          choice_jobs)
+                with self.cond:
+                    self.step_no += 1
         with self.cond:
             for seq in self.waiting:
                 fail_job(seq.job, "error: the engine is closed")
@@ -189,12 +202,29 @@ class Scheduler:
             self.cond.notify_all()
         self._fail_in_flight("error: the engine is closed", [], [])
 
+    def _due(self, job: Job) -> bool:
+        return job.due is None or job.due <= self.step_no or job.gate.closed
+
     def _has_work(self) -> bool:
-        return bool(self.rows) or (not self.pauses and bool(self.waiting or self.waiting_choices))
+        """Something to compute at this step: live rows, or waiting calls that are due."""
+        return bool(self.rows) or (not self.pauses and (any(self._due(s.job) for s in self.waiting)
+                                                         or any(self._due(j) for j in self.waiting_choices)))
 
     def _held(self) -> bool:
-        """A lockstep client is still running: its next call may belong to this step."""
-        return any(gate.holds for gate in self.gates)
+        """A lockstep client is still running and its next call may be due at this step."""
+        return any(gate.holds(self.step_no) for gate in self.gates)
+
+    def _advance_clock(self) -> bool:
+        """`_has_work()`, after jumping the clock over steps at which nothing can happen: no live
+        rows, no call due, and every running lockstep client's next call due later (engine/lockstep.py)."""
+        if self._has_work() or self.pauses or not self.gates or self._held():
+            return self._has_work()
+        later = [s.job.due for s in self.waiting] + [j.due for j in self.waiting_choices]
+        later += [gate.next_due() for gate in self.gates]
+        later = [t for t in later if t is not None and t > self.step_no]
+        if later:
+            self.step_no = min(later)
+        return self._has_work()
 
     def _admit(self) -> tuple[list[Seq], list[Job]]:
         """Waiting sequences for the free rows (FIFO) and all waiting choice jobs; drops cancelled ones."""
@@ -205,13 +235,17 @@ class Scheduler:
             self.waiting.sort(key=lambda s: -1 if s.job.order is None else s.job.order)
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
         admitted: list[Seq] = []
+        later: list[Seq] = []
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)
-            if start_job(seq.job):
+            if not self._due(seq.job):
+                later.append(seq)
+            elif start_job(seq.job):
                 admitted.append(seq)
                 free -= 1
-        choice_jobs = [job for job in self.waiting_choices if start_job(job)]
-        self.waiting_choices = []
+        self.waiting = later + self.waiting
+        choice_jobs = [job for job in self.waiting_choices if self._due(job) and start_job(job)]
+        self.waiting_choices = [job for job in self.waiting_choices if not self._due(job) and not job.done]
         return admitted, choice_jobs
 
     def _step(self, admitted: list[Seq], choice_jobs: list[Job]) -> None:

@@ -448,7 +448,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ the rest of the protocol
 
-    def lockstep(self, clients: int) -> None:
+    def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """No deterministic batching: the server batches by arrival; vLLM promises no batch invariance."""
         return None
 

@@ -143,7 +143,8 @@ class RolloutRunner:
         self._grader = grader
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
-        self.stats: dict[str, float] = {"episodes": 0, "llm_calls": 0}
+        self.stats: dict[str, float] = {"episodes": 0, "llm_calls": 0, "lockstep_breaks": 0}
+        self.last_lockstep_breaks: int | None = None  # see Executor.last_lockstep_breaks
         # called with every finished trajectory of every run (the run directory's in-flight journal)
         self.journal: Callable[[Trajectory], None] | None = None
 
@@ -176,7 +177,7 @@ class RolloutRunner:
         mode = self.cfg.runner.lockstep
         if mode == "never" or (mode == "eval" and purpose != "eval"):
             return None
-        return self.engine.lockstep(clients)
+        return self.engine.lockstep(clients, self.cfg.runner.lockstep_hold_s)
 
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
         slots = self.cfg.runner.concurrency
@@ -223,6 +224,8 @@ class RolloutRunner:
         finally:
             if gate is not None:
                 gate.close()
+                self.stats["lockstep_breaks"] += gate.breaks
+            self.last_lockstep_breaks = None if gate is None else gate.breaks
             await host.close()
             bar.close()
         self.stats["episodes"] += len(jobs)
