@@ -94,7 +94,7 @@ class SandboxConfig(_Strict):
 class RunnerConfig(_Strict):
     concurrency: int = Field(32, ge=1, description="episodes in flight")
     lockstep: Literal["all", "eval", "never"] = Field(
-        "all", description="batch model calls as a function of the episodes alone, not of timing "
+        "eval", description="batch model calls as a function of the episodes alone, not of timing "
         "(engine/lockstep.py): 'all' rollouts, 'eval' only, or 'never'; bit-exact re-runs need it")
     lockstep_hold_s: float = Field(1.0, gt=0, description="the longest the engine waits for one episode's "
                                    "due call (a slow tool); past it the batch goes on, counted as not reproducible")

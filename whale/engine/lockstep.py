@@ -9,17 +9,16 @@ could not reproduce a run's number in bf16, and a resumed run could not equal an
 
 How. The rollout runner opens a lockstep with one client per episode slot. A client is *running*
 (its harness code, a tool, a sandbox spawn or the hand-over to the next episode) or *blocked* (it
-has a call in the engine). The engine counts its steps. A client's next call is *due* `SLACK`
-steps after the step that resolved its previous one (at the lockstep's first step for its first
-call): it is admitted at that step, not before, even if it arrived early, and the engine does not
-take that step until the call is there (or the client has left). So the step at which a call joins
-is a function of the episodes alone, while the engine keeps decoding the other rows for `SLACK - 1`
-steps during a harness's turn-around instead of idling. Calls due at the same step are admitted in
-the order of their `order` key (the episode's index in the batch), not their arrival. A client
-becomes blocked in the critical section that enqueues its call, and running again in the engine
-thread before that call's future resolves, so no step can slip between the two. Opening a lockstep clears the
-prefix cache (a cached prefix computed in another batch would carry that batch's rounding), and
-the KV slab is empty whenever the engine is idle. Then the sequence of forwards, their shapes and
+has a call in the engine). The engine counts its steps. A client's next call is *due* at the step
+after the one that resolved its previous call (its first call: the lockstep's first step): it is
+admitted at that step, and the engine does not take that step until the call is there (or the
+client has left, or `hold_s` has passed: a counted break). So the step at which a call joins is a
+function of the episodes alone. Calls due at the same step are admitted in the order of their
+`order` key (the episode's index in the batch), not their arrival. A client becomes blocked in the
+critical section that enqueues its call, and running again in the engine thread before that call's
+future resolves, so no step can slip between the two. Opening a lockstep clears the prefix cache
+(a cached prefix computed in another batch would carry that batch's rounding), and the KV slab is
+kept whole until the batch ends (a clear mid-batch would depend on timing). Then the sequence of forwards, their shapes and
 every row's place in them follow from the episodes alone, and so do the sampled tokens: on the
 same machine, software and thread count a re-evaluation is bit-for-bit the original.
 
@@ -37,7 +36,12 @@ from typing import TYPE_CHECKING
 
 from whale.engine.base import GenerationRequest, SamplingParams, error_generations
 
-SLACK = 2  # steps from a call's resolution to its successor's admission (1: the very next step)
+# Steps from a call's resolution to its successor's admission. 1: the very next step. More would let
+# the engine decode on during a harness's turn-around, but then slots carry different due steps and
+# which slot takes the batch's next episode (a race) would decide when that episode's first call
+# joins: measured, 2 changed 1-9 of 48 tiny-model episodes between identical runs. Deterministic job
+# hand-out to slots would be needed first.
+SLACK = 1
 HOLD_S = 1.0  # the longest the engine waits for one due call before it goes on without it
 
 if TYPE_CHECKING:  # the scheduler imports this module; types only in the other direction

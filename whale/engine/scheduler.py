@@ -164,9 +164,12 @@ class Scheduler:
                 with self.cond:
                     held_since: float | None = None
                     while not self.stopping and not (self._advance_clock() and not self._held()):
-                        if self.busy and not self._has_work():
+                        if self.busy and not self._has_work() and not self.gates:
+                            # idle: free the KV memory (training may follow). Not inside a lockstep
+                            # batch: whether a step finds the engine idle depends on timing, and the
+                            # slab's width after a clear decides the decode attention's shapes
                             self.busy = False
-                            self.slab.clear()  # free the KV memory while idle (training may follow)
+                            self.slab.clear()
                             self.cond.notify_all()
                         timeout = IDLE_EXIT_S
                         if self._has_work():  # held by a lockstep client whose call is due
