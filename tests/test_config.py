@@ -79,3 +79,14 @@ def test_settings_read_in_their_mode_are_accepted():
                              "compute.executor=ray", "compute.ray_address=auto", "weight.lora.r=8"])
     assert cfg.model.vllm_args == ["--enforce-eager"] and cfg.compute.ray_address == "auto"
     assert load_config(None, ["model.backend=openai", "model.base_url=http://x/v1", "model.api_key_env=K"])
+
+
+def test_a_retired_key_loads_from_an_old_run_and_is_an_error_when_set():
+    """Run directories saved every key at its value: an old run's config.yaml must still load (for
+    `whale eval --run`, `whale matrix`, `--resume`); a config that sets the key is told it is gone."""
+    from whale.config import ConfigError, config_from_dict, load_config
+
+    old = {"runner": {"concurrency": 8, "batch_window_ms": 20.0}}
+    assert config_from_dict(old).runner.concurrency == 8
+    with pytest.raises(ConfigError, match="'runner.batch_window_ms' was removed: continuous batching"):
+        load_config(None, ["runner.batch_window_ms=5"])

@@ -295,9 +295,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(tree)
 
 
+# Keys that no longer exist: (section, key) -> (the default every earlier run dumped, why it went).
+# A run directory's saved config (which lists every key at its value) still loads; a config that
+# set one to anything else is told what happened to it.
+RETIRED = {("runner", "batch_window_ms"): (20.0, "continuous batching in the engine replaced the "
+                                           "runner's static batcher; see runner.lockstep")}
+
+
+def _drop_retired(tree: dict[str, Any]) -> dict[str, Any]:
+    for (section, key), (dumped, why) in RETIRED.items():
+        part = tree.get(section)
+        if isinstance(part, dict) and key in part:
+            if part[key] != dumped:
+                raise ConfigError(f"config key '{section}.{key}' was removed: {why}")
+            tree = {**tree, section: {k: v for k, v in part.items() if k != key}}
+    return tree
+
+
 def config_from_dict(tree: dict[str, Any]) -> Config:
     try:
-        cfg = Config.model_validate(tree)
+        cfg = Config.model_validate(_drop_retired(tree) if isinstance(tree, dict) else tree)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
     refuse_ignored_settings(cfg)
