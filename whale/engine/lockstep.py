@@ -31,10 +31,12 @@ cost on the shipped harnesses is measured in docs/throughput.md.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from whale.engine.base import GenerationRequest, SamplingParams, error_generations
+from whale.engine.jobs import Job
 
 # Steps from a call's resolution to its successor's admission. 1: the very next step. More would let
 # the engine decode on during a harness's turn-around, but then slots carry different due steps and
@@ -121,3 +123,29 @@ class Lockstep:
             if self in self.scheduler.gates:
                 self.scheduler.gates.remove(self)
             self.cond.notify_all()
+
+
+# ---------------------------------------------------------------- the scheduler's clock rules
+
+def is_due(job: Job, step: int) -> bool:
+    """May `job` be admitted at `step`? (Always outside a lockstep, or once its lockstep closed.)"""
+    return job.due is None or job.due <= step or job.gate.closed
+
+
+def next_busy_step(step: int, waiting: list[Job], gates: list[Lockstep]) -> int:
+    """The next step at which something can happen, when nothing can at `step`: the earliest due
+    step of a waiting call or of a running client's next call (they come from the episodes alone,
+    so jumping there is as deterministic as stepping through the empty steps)."""
+    later = [job.due for job in waiting] + [gate.next_due() for gate in gates]
+    later = [t for t in later if t is not None and t > step]
+    return min(later, default=step)
+
+
+def hold_left(gates: list[Lockstep], step: int, held_since: float) -> float:
+    """Seconds the engine may still wait at `step` for due calls; at 0, the late clients are let go."""
+    left = max(0.0, min(g.hold_s for g in gates) - (time.monotonic() - held_since))
+    if left == 0.0:
+        for gate in gates:  # a slow tool or a hung harness: go on without it (counted as a break)
+            if gate.holds(step):
+                gate.let_go(step)
+    return left

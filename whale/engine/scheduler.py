@@ -53,7 +53,7 @@ from whale.engine.base import SamplingParams
 from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
                                start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
-from whale.engine.lockstep import Lockstep
+from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
 from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
@@ -174,12 +174,9 @@ class Scheduler:
                         timeout = IDLE_EXIT_S
                         if self._has_work():  # held by a lockstep client whose call is due
                             held_since = held_since or time.monotonic()
-                            timeout = max(0.0, min(g.hold_s for g in self.gates) - (time.monotonic() - held_since))
+                            timeout = hold_left(self.gates, self.step_no, held_since)
                             if timeout == 0.0:
-                                for gate in self.gates:  # a slow tool or a hung harness: go on without it
-                                    if gate.holds(self.step_no):
-                                        gate.let_go(self.step_no)
-                                continue
+                                continue  # it let the late clients go
                         if (not self.cond.wait(timeout) and not self._has_work() and not self.gates
                                 and not self.stopping):
                             self.thread = None  # idle for long: end, so a dropped engine can be freed
@@ -206,7 +203,7 @@ class Scheduler:
         self._fail_in_flight("error: the engine is closed", [], [])
 
     def _due(self, job: Job) -> bool:
-        return job.due is None or job.due <= self.step_no or job.gate.closed
+        return is_due(job, self.step_no)
 
     def _has_work(self) -> bool:
         """Something to compute at this step: live rows, or waiting calls that are due."""
@@ -218,15 +215,10 @@ class Scheduler:
         return any(gate.holds(self.step_no) for gate in self.gates)
 
     def _advance_clock(self) -> bool:
-        """`_has_work()`, after jumping the clock over steps at which nothing can happen: no live
-        rows, no call due, and every running lockstep client's next call due later (engine/lockstep.py)."""
-        if self._has_work() or self.pauses or not self.gates or self._held():
-            return self._has_work()
-        later = [s.job.due for s in self.waiting] + [j.due for j in self.waiting_choices]
-        later += [gate.next_due() for gate in self.gates]
-        later = [t for t in later if t is not None and t > self.step_no]
-        if later:
-            self.step_no = min(later)
+        """`_has_work()`, after jumping the clock over steps at which nothing can happen (lockstep)."""
+        if not (self._has_work() or self.pauses or not self.gates or self._held()):
+            self.step_no = next_busy_step(self.step_no, [s.job for s in self.waiting] + self.waiting_choices,
+                                          self.gates)
         return self._has_work()
 
     def _admit(self) -> tuple[list[Seq], list[Job]]:
