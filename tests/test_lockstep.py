@@ -141,3 +141,15 @@ def test_engines_that_cannot_lockstep_say_so():
     from whale.engine.null import NullEngine
 
     assert NullEngine().lockstep(4) is None
+
+    class Undeclared:  # an engine written before the capability: a clear error, not AttributeError
+        returns_ids, weight_sync, weights_version = False, "none", "base"
+
+    runner = RolloutRunner(Undeclared(), ToyDomain(2), Config())
+    try:
+        with pytest.raises(TypeError, match="does not declare Engine.lockstep"):
+            runner._lockstep("eval", 2)
+        runner.cfg.runner.lockstep = "never"
+        assert runner._lockstep("eval", 2) is None
+    finally:
+        runner.close()

@@ -177,6 +177,10 @@ class RolloutRunner:
         mode = self.cfg.runner.lockstep
         if mode == "never" or (mode == "eval" and purpose != "eval"):
             return None
+        lockstep = getattr(type(self.engine), "lockstep", None)
+        if lockstep is None:  # an engine written before the capability existed: say what it lacks
+            raise TypeError(f"{type(self.engine).__name__} does not declare Engine.lockstep; return None from "
+                            "it if the engine cannot batch deterministically (or set runner.lockstep: never)")
         return self.engine.lockstep(clients, self.cfg.runner.lockstep_hold_s)
 
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
