@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from whale.engine.base import GenerationRequest, SamplingParams, error_generations
+from whale.engine.kv import common_prefix
 
 
 @dataclass(eq=False)
@@ -79,6 +80,54 @@ class ChoiceRow:
     @property
     def tree(self) -> list[list[int]]:
         return [self.job.choice_ids[c] for c in self.choices]
+
+
+def shared_with_live(item: Seq | ChoiceRow, seq: Seq) -> int:
+    """Leading tokens of `item`'s prompt whose KV the live sequence `seq` already holds: a common
+    prefix of the prompts, continued into `seq`'s generated tokens when the prompt extends its
+    prompt (an episode's next call while its previous one is still in the slab)."""
+    n = common_prefix(item.prompt_np, seq.prompt_np)
+    if n == len(seq.prompt):
+        rest = item.prompt[n:]
+        k = 0
+        while k < len(rest) and k < len(seq.ids) and rest[k] == seq.ids[k]:
+            k += 1
+        n += k
+    return min(n, seq.kv_len)
+
+
+def choice_rows(job: Job, token_budget: int) -> list[ChoiceRow]:
+    """A choice job's choices, in order, in rows of at most `token_budget` choice tokens each
+    (a single longer choice gets a row of its own): one row is one sequence of a scoring forward."""
+    prompt_np = np.asarray(job.prompt, dtype=np.int64)
+    rows: list[ChoiceRow] = []
+    group: list[int] = []
+    size = 0
+    for c, choice in enumerate(job.choice_ids):
+        if group and size + len(choice) > token_budget:
+            rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
+            group, size = [], 0
+        group.append(c)
+        size += len(choice)
+    rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
+    return rows
+
+
+def sample_rows(seqs: list[Seq], logits: torch.Tensor) -> list[int]:
+    """Each sequence's next token from its row of `logits`, with its own uniform for this step and
+    its own request's sampling parameters (rows with equal parameters are sampled together)."""
+    u = torch.tensor([s.uniforms[len(s.ids)] for s in seqs], device=logits.device)
+    first = seqs[0].job.sampling
+    if all(s.job.sampling == first for s in seqs):
+        return sample_tokens(logits, u, first).tolist()
+    tokens = [0] * len(seqs)
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(s.job.sampling, []).append(i)
+    for sampling, idx in groups.items():
+        for i, tok in zip(idx, sample_tokens(logits[idx], u[idx], sampling).tolist()):
+            tokens[i] = tok
+    return tokens
 
 
 def sample_tokens(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -49,9 +49,8 @@ import numpy as np
 import torch
 
 from whale.engine.attention import decode_attention
-from whale.engine.base import SamplingParams
-from whale.engine.jobs import (ChoiceRow, Job, Seq, draw_choices, fail_job, resolve_job, sample_tokens,
-                               start_job, weights_stamp)
+from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, fail_job, resolve_job,
+                               sample_rows, shared_with_live, start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
 from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
@@ -285,14 +284,7 @@ class Scheduler:
         limit = len(item.prompt) - 1  # the last prompt token is always computed: its logits are needed
         best: tuple[int | None, Any, int] = (None, None, 0)
         for seq in self.rows:
-            n = common_prefix(item.prompt_np, seq.prompt_np)
-            if n == len(seq.prompt):  # the prompt extends this sequence's prompt: compare its tokens too
-                rest = item.prompt[n:]
-                k = 0
-                while k < len(rest) and k < len(seq.ids) and rest[k] == seq.ids[k]:
-                    k += 1
-                n += k
-            n = min(n, seq.kv_len, limit)
+            n = min(shared_with_live(item, seq), limit)
             if n > best[2]:
                 best = (seq.row, None, n)
         for other in done:
@@ -420,17 +412,7 @@ class Scheduler:
                 continue
             scored[key] = job
             job.scores = torch.zeros(len(job.choice_ids))
-            prompt_np = np.asarray(job.prompt, dtype=np.int64)
-            budget = max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1))
-            group: list[int] = []
-            size = 0
-            for c, choice in enumerate(job.choice_ids):
-                if group and size + len(choice) > budget:
-                    rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
-                    group, size = [], 0
-                group.append(c)
-                size += len(choice)
-            rows.append(ChoiceRow(job, group, job.prompt, prompt_np))
+            rows += choice_rows(job, max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1)))
         self._prefill(rows, first_row=len(self.rows))
         remembered = set()
         for row in rows:  # the prompt's KV, for the episode's next call (a chess move loop)
@@ -476,18 +458,7 @@ class Scheduler:
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
-        u = torch.tensor([s.uniforms[len(s.ids)] for s in seqs], device=logits.device)
-        first = seqs[0].job.sampling
-        if all(s.job.sampling == first for s in seqs):
-            tokens = sample_tokens(logits, u, first).tolist()
-        else:
-            tokens = [0] * len(seqs)
-            groups: dict[SamplingParams, list[int]] = {}
-            for i, s in enumerate(seqs):
-                groups.setdefault(s.job.sampling, []).append(i)
-            for sampling, idx in groups.items():
-                for i, tok in zip(idx, sample_tokens(logits[idx], u[idx], sampling).tolist()):
-                    tokens[i] = tok
+        tokens = sample_rows(seqs, logits)
         eos = self.engine.eos_ids
         for s, tok in zip(seqs, tokens):
             s.ids.append(tok)
