@@ -22,6 +22,7 @@ import pytest
 from fake_vllm import read_log
 
 from whale.config import dump_config, load_config
+from whale.report import write_report
 from whale.run import run_experiment
 from whale.store import read_metrics
 
@@ -102,6 +103,35 @@ def test_resume_loads_the_current_adapter_into_the_new_server(tiny_model_dir, tm
     assert resumed[first_load]["body"]["lora_path"] == str((out / "weights" / version).resolve())
     assert "/v1/completions" not in paths[:first_load]  # restored before any rollout
     assert json.loads((out / "state.json").read_text())["phase"] == "done"
+
+
+def test_a_server_killed_mid_run_is_recovered_and_logged(tiny_model_dir, tmp_path):
+    """The server dies after the first push: the run brings it back with the current adapter,
+    goes on to the end, and metrics.jsonl names the incident (unit, reason)."""
+    log = tmp_path / "fake.jsonl"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(dump_config(vllm_config(tiny_model_dir, log)))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "whale.cli", "run", str(cfg_path), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (log.exists() and any(r["path"] == "/v1/load_lora_adapter" for r in read_log(log))):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline, "no weights were pushed"
+            time.sleep(0.1)
+        os.kill(read_log(log)[0]["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert json.loads((out / "state.json").read_text())["phase"] == "done"
+    [row] = [r for r in read_metrics(out) if r.get("event") == "engine_recovered"]
+    assert row["ok"] and "exited with code 137" in row["reason"] and row["unit"]
+    assert len({r["pid"] for r in read_log(log)}) == 2  # one restart, one new server
+    write_report(out)
+    assert f"engine server recovered in {row['unit']}: exited with code 137" in (out / "report" / "report.md").read_text()
 
 
 def test_eval_with_weights_loads_the_adapter_into_the_server(tiny_model_dir, tmp_path):

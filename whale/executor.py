@@ -151,6 +151,7 @@ class EngineProxy:
     """The `Engine` protocol inside a worker: every call goes through the EngineActor to the driver."""
 
     weight_sync = "none"  # workers never train: weights are pushed to the driver's engine
+    recoveries: tuple[str, ...] = ()  # the driver's engine recovers its server and logs it
 
     def __init__(self, mailbox: Any, returns_ids: bool):
         self.mailbox = mailbox

@@ -107,6 +107,7 @@ class Experiment:
         self._state_defaults()
         self.trainer: Trainer | None = None
         self._batches: dict[str, int] = {}  # search ledger keys seen in this process (see _count_search)
+        self._recoveries_logged = 0  # of engine.recoveries (see _log_recoveries)
         if state["weights_version"] != "base":
             self._restore_weights(state["weights_version"])
 
@@ -191,11 +192,21 @@ class Experiment:
         self.engine.close()
 
     def save(self) -> None:
+        self._log_recoveries()
         self._sync_progress()
         self.state["progress"] = dict(self.progress.__dict__)
         self.state["stream"] = self.stream.state_dict()
         self.state["patience"] = self.patience.state_dict()
         self.run_dir.save_state(self.state)
+
+    def _log_recoveries(self) -> None:
+        """An `engine_recovered` row per server recovery since the last unit (Engine.recoveries):
+        which unit it hit and why, so an incident is in metrics.jsonl, not only on stderr."""
+        recoveries = self.engine.recoveries
+        for n in range(self._recoveries_logged, len(recoveries)):
+            reason = recoveries[n]
+            self.log("engine_recovered", id=f"recovery-{n}", reason=reason, ok="recovery failed" not in reason)
+        self._recoveries_logged = len(recoveries)
 
     def _sync_progress(self) -> None:
         """The schedule decides on the ledger as it is now (ledger.jsonl is ahead of state.json)."""

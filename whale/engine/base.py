@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,10 @@ class Engine(Protocol):
     message as text, so one episode fails, not its batch-mates. `generate` is "submit all, wait
     all": per request, a list of `n` generations, under the same rule.
 
+    `recoveries` grows by one line (why, and whether it worked) each time the engine had to bring
+    its server back mid-run (a vLLM server that died); an engine without a server keeps it empty. The run logs
+    each one as an `engine_recovered` metrics row, so an incident is on record, not only on stderr.
+
     `weight_sync` is a declared capability (see `WeightSync`): callers decide how to train and
     push weights from it, never by probing attributes. So is `lockstep`: an engine that can batch
     as a function of the request stream alone returns a `LockstepGate`, one that cannot (a vLLM
@@ -103,6 +108,7 @@ class Engine(Protocol):
     weights_version: str
     returns_ids: bool
     weight_sync: WeightSync
+    recoveries: Sequence[str]  # one line per attempt to bring its dead server back, with the outcome
 
     def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]: ...
 
@@ -184,6 +190,8 @@ class QueuedSubmit:
     queue is empty, so an idle engine holds no thread. A `generate` that raises fails the calls of
     that batch with error generations, never the futures.
     """
+
+    recoveries: Sequence[str] = ()  # no server of its own to bring back
 
     def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """Whole batches form from whatever queued meanwhile: no deterministic batching."""

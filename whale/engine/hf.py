@@ -79,6 +79,7 @@ class HFEngine:
 
     returns_ids = True
     weight_sync = "in_place"  # the trainer updates self.model; see engine.base.WeightSync
+    recoveries: tuple[str, ...] = ()  # in process: no server that could die and come back
 
     def __init__(
         self,

@@ -152,6 +152,7 @@ class OpenAIEngine:
 
     returns_ids = False
     weight_sync = "none"  # inference only: a generic endpoint cannot load our weights
+    recoveries: tuple[str, ...] = ()  # someone else's endpoint: failed calls are retried, not recovered
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 120.0,
                  max_concurrency: int = 16, tokenizer_path: str | None = None, max_retries: int = 2):

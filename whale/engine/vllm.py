@@ -130,6 +130,7 @@ class VLLMEngine:
         self.call_attempts = call_attempts
         self.weights_version = "base"
         self.restarts = 0  # recoveries of a server that was down
+        self.recoveries: list[str] = []  # their reasons (Engine.recoveries)
         self.last_restart_reason: str | None = None
         self._epoch = 0  # +1 per recovery: a failed request knows whether someone already recovered
         self._lock = threading.RLock()  # server restarts and weight loads
@@ -246,8 +247,10 @@ class VLLMEngine:
                 self._reload_current()
             except (RuntimeError, HTTPFailure) as e:
                 self.last_restart_reason += f"; recovery failed: {str(e).splitlines()[0]}"
+                self.recoveries.append(self.last_restart_reason)
                 raise ServerDown(f"the vLLM server could not be recovered: {e}") from None
             self._epoch += 1
+            self.recoveries.append(self.last_restart_reason)
             print(f"whale: the vLLM server is back (weights {self.weights_version})", file=sys.stderr)
             return True
 
