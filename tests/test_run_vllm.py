@@ -77,13 +77,19 @@ def test_weight_steps_push_adapters_to_the_server(tiny_model_dir, tmp_path):
     assert completions[-1].startswith(state["weights_version"] + "@")  # the final eval used the last push
 
 
-def test_resume_loads_the_current_adapter_into_the_new_server(tiny_model_dir, tmp_path):
+def start_run(model_dir, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`whale run` of the fake-server config in a subprocess: (process, run dir, fake server log)."""
     log = tmp_path / "fake.jsonl"
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(dump_config(vllm_config(tiny_model_dir, log)))
+    cfg_path.write_text(dump_config(vllm_config(model_dir, log)))
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "whale.cli", "run", str(cfg_path), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return proc, out, log
+
+
+def test_resume_loads_the_current_adapter_into_the_new_server(tiny_model_dir, tmp_path):
+    proc, out, log = start_run(tiny_model_dir, tmp_path)
     deadline = time.time() + 240
     while not (json.loads((out / "state.json").read_text()) if (out / "state.json").exists() else {}).get(
             "weights_version", "base") != "base":
@@ -108,12 +114,7 @@ def test_resume_loads_the_current_adapter_into_the_new_server(tiny_model_dir, tm
 def test_a_server_killed_mid_run_is_recovered_and_logged(tiny_model_dir, tmp_path):
     """The server dies after the first push: the run brings it back with the current adapter,
     goes on to the end, and metrics.jsonl names the incident (unit, reason)."""
-    log = tmp_path / "fake.jsonl"
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(dump_config(vllm_config(tiny_model_dir, log)))
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "whale.cli", "run", str(cfg_path), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc, out, log = start_run(tiny_model_dir, tmp_path)
     try:
         deadline = time.time() + 240
         while not (log.exists() and any(r["path"] == "/v1/load_lora_adapter" for r in read_log(log))):
