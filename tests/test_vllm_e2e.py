@@ -166,6 +166,8 @@ def test_killed_server_is_restarted_and_the_run_goes_on(vllm_run):
     err = vllm_run["stderr"]
     assert "the vLLM server exited with code 137; recovering it (1/3" in err, err[-3000:]
     assert "the vLLM server is back" in err
+    [row] = [r for r in read_metrics(vllm_run["out"]) if r.get("event") == "engine_recovered"]
+    assert row["ok"] and "exited with code 137" in row["reason"]  # on record, not only on stderr
 
 
 def test_harness_phase_and_report(vllm_run):
