@@ -16,6 +16,12 @@ seed for both methods). After the runs, `whale compare` writes OUT/compare/compa
 with paired bootstrap intervals against weight-only, harness-only and stagewise, what each side
 bought per phase, and the rollouts each method needed to reach weight-only's best.
 
+Records outlive the machine. With `--report DEST`, every finished run's record (config.yaml,
+state.json, metrics.jsonl, ledger.jsonl, environment.json: a few tens of kB, everything `whale
+compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing. A later session's rerun
+of the same command counts a run with a finished record as done (it is not redone) and compares
+it with the runs it has locally, so a comparison spread over many sessions pools all its seeds.
+
 The methods differ only in the keys below (schedule.kind and what that kind needs); everything
 else, including the rollout budget, comes from the config. Stagewise spends half the budget on a
 weight stage, then the rest on one harness stage; harness-only repeats phases of I iterations so
@@ -63,6 +69,32 @@ def method_overrides(method: str, config: str, extra: list[str]) -> list[str]:
     return sets
 
 
+RECORD_FILES = ("config.yaml", "state.json", "metrics.jsonl", "ledger.jsonl", "environment.json")
+
+
+def record_of(name: str, args) -> Path | None:
+    """The committed record of a finished run `name` under --report, if there is one."""
+    if not args.report:
+        return None
+    rec = Path(args.report) / "runs" / name
+    return rec if run_state(rec) == "done" and (rec / "metrics.jsonl").exists() else None
+
+
+def keep_records(args) -> list[str]:
+    """Copy the record of every finished local run into --report/runs/ (see the module doc)."""
+    kept = []
+    for run_dir in sorted(Path(args.out).glob("*-s*")):
+        if run_state(run_dir) != "done" or not args.report:
+            continue
+        dest = Path(args.report) / "runs" / run_dir.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in RECORD_FILES:
+            if (run_dir / name).exists():
+                shutil.copy2(run_dir / name, dest / name)
+        kept.append(run_dir.name)
+    return kept
+
+
 def run_state(run_dir: Path) -> str:
     state = run_dir / "state.json"
     if not state.exists():
@@ -73,11 +105,20 @@ def run_state(run_dir: Path) -> str:
         return "partial"
 
 
+def status_line(name: str, args) -> str:
+    local = run_state(Path(args.out) / name)
+    return "done (record)" if local != "done" and record_of(name, args) is not None else local
+
+
 def run_one(method: str, seed: int, args) -> bool:
     run_dir = Path(args.out) / f"{method}-s{seed}"
     status = run_state(run_dir)
     if status == "done":
         print(f"[skip] {run_dir}: done", flush=True)
+        return True
+    record = record_of(run_dir.name, args)
+    if record is not None:
+        print(f"[skip] {run_dir.name}: done in an earlier session (record in {record})", flush=True)
         return True
     whale = [sys.executable, "-m", "whale.cli", "run"]
     if status == "partial":
@@ -99,8 +140,14 @@ def run_one(method: str, seed: int, args) -> bool:
 def compare(args) -> Path | None:
     from whale.compare import compare_runs
 
-    dirs = [Path(args.out) / f"{m}-s{s}" for s in args.seeds for m in args.methods]
-    dirs = [d for d in dirs if (d / "metrics.jsonl").exists()]
+    keep_records(args)
+    dirs = []
+    for name in (f"{m}-s{s}" for s in args.seeds for m in args.methods):
+        local = Path(args.out) / name
+        if run_state(local) == "done" or ((local / "metrics.jsonl").exists() and record_of(name, args) is None):
+            dirs.append(local)  # finished here, or partial with no finished record: compare what there is
+        elif record_of(name, args) is not None:
+            dirs.append(record_of(name, args))
     if not dirs:
         return None
     present = {m for m in args.methods if any(d.name.startswith(f"{m}-s") for d in dirs)}
@@ -137,7 +184,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="runs/cmp_full")
     ap.add_argument("--set", action="append", default=[], help="override for every run: a.b=c (repeatable)")
-    ap.add_argument("--report", default=None, help="also copy compare.md and its plots here (e.g. docs/results/cmp_full)")
+    ap.add_argument("--report", default=None, help="also copy compare.md, its plots and the finished runs' records here (e.g. docs/results/cmp_full); "
+                    "runs recorded there count as done")
     ap.add_argument("--detach", action="store_true", help="run in the background, detached from this shell")
     ap.add_argument("--status", action="store_true", help="print each run's state and exit")
     args = ap.parse_args(argv)
@@ -145,7 +193,7 @@ def main(argv: list[str]) -> None:
     load_config(args.config, args.set)  # a bad config or override fails here, not in the first run
     if args.status:
         for seed in args.seeds:
-            print("  ".join(f"{m}-s{seed}: {run_state(out / f'{m}-s{seed}')}" for m in args.methods))
+            print("  ".join(f"{m}-s{seed}: {status_line(f'{m}-s{seed}', args)}" for m in args.methods))
         return
     if args.detach:
         detach(argv, out)

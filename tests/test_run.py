@@ -141,3 +141,37 @@ def test_a_proposer_this_machine_cannot_run_fails_the_run_before_anything_starts
     assert not (tmp_path / "run").exists()
     cfg.schedule.kind = "weight_only"  # never proposes: the same settings do not stop it
     check_proposer(cfg)
+
+
+def _compare_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_script", TESTS.parent / "scripts" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, tmp_path, monkeypatch):
+    """scripts/compare.py --report copies each finished run's record; a later session without the
+    run directory counts the recorded run as done and still compares it."""
+    import argparse
+    import shutil
+
+    script = _compare_script()
+    out, report = tmp_path / "runs", tmp_path / "docs"
+    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "schedule.budget_epochs": 0.25})
+    run_experiment(cfg, out=out / "weight_only-s0")
+    args = argparse.Namespace(out=str(out), report=str(report), methods=["weight_only", "gain"], seeds=[0],
+                              config=None, set=[])
+    first = script.compare(args).read_text()
+    record = report / "runs" / "weight_only-s0"
+    assert sorted(p.name for p in record.iterdir()) == sorted(script.RECORD_FILES)
+    assert sum(p.stat().st_size for p in record.iterdir()) < 200_000  # small enough to commit
+    shutil.rmtree(out)  # the next session: a fresh machine, the records in git
+    monkeypatch.setattr(script.subprocess, "call", lambda *a, **k: pytest.fail("a recorded run was run again"))
+    assert script.run_one("weight_only", 0, args)
+    assert script.status_line("weight_only-s0", args) == "done (record)"
+    assert script.status_line("gain-s0", args) == "not started"
+    again = script.compare(args).read_text()
+    assert "| weight_only | 1 |" in again and again == first
