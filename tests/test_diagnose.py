@@ -28,6 +28,7 @@ def row(question, query=None, passages=(), answer="<answer>x</answer>", reward=0
 
 Q = "What is the capital of Kenya?"
 KENYA = ("Kenya: Government > Capital > name", "Nairobi")
+RELATION_FIXES = {"more_passages", "longer_passages", "query_rewrite", "question_as_query", "more_search_turns"}
 
 
 def test_key_terms_split_entity_from_what_is_asked():
@@ -124,3 +125,29 @@ def test_a_mechanism_evaluated_under_old_weights_is_proposed_again_under_new_one
     new_weights = ProposalContext(iteration=2, weights_version="v1", incoming_id="h0")
     redo = M.MutationProposer(seed=0).propose(archive, SearchQA(), 2, tmp_path / "ws", new_weights)
     assert first[0].source in [p.source for p in redo]  # new weights: the best-diagnosed fixes are worth another try
+
+
+def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp_path):
+    from whale.harness.trajectory import Trajectory
+
+    """Seed 1 of the comparison: long answers dominate, passages also miss the relation. After
+    the long-answer fixes lost to their parent, the next five proposals are the five fixes for the
+    missing relation (question-as-query among them), under these weights and under new ones."""
+    long = row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")
+    no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
+    archive = archive_with(tmp_path, [long] * 6 + [no_relation] * 4)
+    ctx = ProposalContext(iteration=2, weights_version="v0", incoming_id="h0")
+    first = M.MutationProposer(seed=0).propose(archive, SearchQA(), 3, tmp_path / "ws", ctx)
+    long_fixes = {p.mechanism for p in first}
+    assert all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == name)) for name in long_fixes)
+    same = archive.traces("h0", "v0")
+    for p in first:  # scored under v0, failing as h0 does: no better than their parent, each one lost
+        cid = archive.add_candidate(p.source, "h0", "mutation", p.hypothesis, p.mechanism)
+        archive.record_scores(cid, "v0", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
+    assert M.mechanism_record(archive) == {name: (1, 0) for name in long_fixes}
+    for version in ("v0", "v1"):
+        ctx = ProposalContext(iteration=3, weights_version=version, incoming_id="h0")
+        if version == "v1":
+            archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
+        nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
+        assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
