@@ -1,7 +1,9 @@
 """The run directory's resume rules: the keyed ledger, and pruning that never strands state.json."""
 
 import json
+from pathlib import Path
 
+from whale.config import Config
 from whale.store import Ledger, RunDir, load_summary
 
 
@@ -60,3 +62,17 @@ def test_summary_reads_metrics_and_state(tmp_path):
     s = load_summary(tmp_path)
     assert (s["initial"], s["final"], s["best"], s["val_selected"], s["val_selected_tag"]) == (0.1, 0.6, 0.6, 0.3, "w2")
     assert json.loads((tmp_path / "state.json").read_text())["harness_id"] == s["harness_id"] == "h2"
+
+
+def test_environment_record_names_the_source_commit():
+    import subprocess
+
+    from whale.store import environment_record
+
+    root = Path(__file__).resolve().parents[1]
+    commit = environment_record(Config())["whale_commit"]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        assert commit is None  # not a git checkout (an installed wheel)
+    else:
+        assert commit.removesuffix("+dirty") == head.stdout.strip()

@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -356,7 +357,25 @@ def environment_record(cfg: Config) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             pass
     return {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
-            "model": cfg.model.name, "cpu_count": os.cpu_count()}
+            "model": cfg.model.name, "cpu_count": os.cpu_count(), "whale_commit": source_commit()}
+
+
+def source_commit() -> str | None:
+    """The git commit WHALE runs from ("+dirty" with uncommitted changes to tracked files), or None
+    outside a git checkout: runs of one comparison made across sessions say which code made them."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def fingerprint_model(path: str | Path) -> dict[str, str]:
