@@ -200,7 +200,8 @@ class ScheduleConfig(_Strict):
                                         "(accept + phase-end evaluation after each) until the rollout budget ends, "
                                         "so its accuracy-vs-rollouts curve has points")
     gain_explore: int = Field(2, ge=1, description="kind gain: after this many phases in a row on one side, "
-                              "the other side runs once (so a stalled side is retried)")
+                              "the other side runs once (so a stalled side is retried); doubled for each of "
+                              "that side's latest phases in a row that gained nothing (at most 8x)")
 
 
 class EvalConfig(_Strict):
