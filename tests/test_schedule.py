@@ -1,6 +1,7 @@
 """Each schedule's phase sequence, driven by the same state machine the run uses."""
 
 
+import json
 import os
 from pathlib import Path
 
@@ -218,3 +219,20 @@ def test_gain_schedule_runs_end_to_end_and_reports_gains_by_phase(tiny_model_dir
     assert sum(r.get("event") == "weight_step" for r in rows) == 4  # the budget: 1 epoch of 4 steps
     report = write_report(run_dir).read_text()
     assert "Which phase bought how much" in report and "| val | W1 |" in report
+
+
+def test_gain_weight_phases_in_a_row_are_separate_phases(tiny_model_dir, tmp_path, monkeypatch):
+    """A gain run whose schedule picks weights again after a weight phase starts a new phase: its
+    own start, accept rates and gains row (so streaks, retries and slopes see phases, not one
+    ever-growing phase). Before the fix, the phases merged into one row."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.syspath_prepend(tests)
+    monkeypatch.setenv("PYTHONPATH", tests + ":" + os.environ.get("PYTHONPATH", ""))
+    real = Schedule.gain_next
+    monkeypatch.setattr(Schedule, "gain_next", lambda self, p, last: "weight" if p.harness_phases else real(self, p, last))
+    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "gain", "schedule.budget_epochs": 1.5})
+    run_dir = run_experiment(cfg, out=tmp_path / "gain")
+    gains = json.loads((run_dir / "state.json").read_text())["progress"]["gains"]
+    step_cost = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
+    assert [g["phase"] for g in gains] == ["weight", "harness", "weight", "weight"]
+    assert [g["rollouts"] for g in gains if g["phase"] == "weight"] == [2 * step_cost] * 3

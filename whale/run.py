@@ -351,11 +351,12 @@ class Experiment:
         rsft = RSFT(self.runner, self._ensure_trainer(), self.engine, self.cfg.weight, self.stream,
                     self.harness_source(hid), hid, self.run_dir.path / "rows",
                     weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts)
-        if self.progress.phase_steps == 0:
-            self.patience.reset()
-            self.progress.phase_accept_rates, self.progress.phase_start_rollouts = [], self.run_dir.ledger.budget_rollouts
-            console.print(f"[cyan]weight phase[/] (cycle {st['cycle']}, harness {hid})")
         while st["phase"] == "weight":
+            if self.progress.phase_steps == 0:  # a new weight phase, also right after another one (kind gain)
+                self.patience.reset()
+                self.progress.phase_accept_rates = []
+                self.progress.phase_start_rollouts = self.run_dir.ledger.budget_rollouts
+                console.print(f"[cyan]weight phase[/] (cycle {st['cycle']}, harness {hid})")
             self._weight_step(rsft)
             self.save()  # the step, its checkpoint's name, the next phase and a pending evaluation: one unit
             self.prune_weights()
