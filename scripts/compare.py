@@ -19,8 +19,9 @@ bought per phase, and the rollouts each method needed to reach weight-only's bes
 Records outlive the machine. With `--report DEST`, every finished run's record (config.yaml,
 state.json, metrics.jsonl, ledger.jsonl, environment.json: a few tens of kB, everything `whale
 compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing. A later session's rerun
-of the same command counts a run with a finished record as done (it is not redone) and compares
-it with the runs it has locally, so a comparison spread over many sessions pools all its seeds.
+of the same command counts a run with a finished record made with the same config as done (it is
+not redone) and compares it with the runs it has locally, so a comparison spread over many
+sessions pools all its seeds; a record of another config is another experiment and is redone.
 
 The methods differ only in the keys below (schedule.kind and what that kind needs); everything
 else, including the rollout budget, comes from the config. Stagewise spends half the budget on a
@@ -43,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from whale.config import load_config  # noqa: E402
+from whale.config import ConfigError, load_config  # noqa: E402
 
 METHODS = {
     "whale": [],
@@ -72,12 +73,28 @@ def method_overrides(method: str, config: str, extra: list[str]) -> list[str]:
 RECORD_FILES = ("config.yaml", "state.json", "metrics.jsonl", "ledger.jsonl", "environment.json")
 
 
-def record_of(name: str, args) -> Path | None:
-    """The committed record of a finished run `name` under --report, if there is one."""
+def planned_config(name: str, args):
+    """The config this script would run `name` (<method>-s<seed>) with now."""
+    method, seed = name.rsplit("-s", 1)
+    sets = method_overrides(method, args.config, args.set) + list(args.set) + [f"seed={seed}", f"name={name}"]
+    return load_config(args.config, sets)
+
+
+def record_of(name: str, args, quiet: bool = True) -> Path | None:
+    """The committed record of a finished run `name` under --report, if there is one made with the
+    config this script would use now (a record of another config is another experiment)."""
     if not args.report:
         return None
     rec = Path(args.report) / "runs" / name
-    return rec if run_state(rec) == "done" and (rec / "metrics.jsonl").exists() else None
+    if run_state(rec) != "done" or not (rec / "metrics.jsonl").exists():
+        return None
+    try:
+        same = load_config(str(rec / "config.yaml"), []).model_dump() == planned_config(name, args).model_dump()
+    except ConfigError:
+        same = False
+    if not same and not quiet:
+        print(f"[redo] {name}: its record ({rec}) was made with another config", flush=True)
+    return rec if same else None
 
 
 def keep_records(args) -> list[str]:
@@ -116,7 +133,7 @@ def run_one(method: str, seed: int, args) -> bool:
     if status == "done":
         print(f"[skip] {run_dir}: done", flush=True)
         return True
-    record = record_of(run_dir.name, args)
+    record = record_of(run_dir.name, args, quiet=False)
     if record is not None:
         print(f"[skip] {run_dir.name}: done in an earlier session (record in {record})", flush=True)
         return True

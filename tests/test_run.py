@@ -158,12 +158,15 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     import argparse
     import shutil
 
+    from whale.config import dump_config
+
     script = _compare_script()
     out, report = tmp_path / "runs", tmp_path / "docs"
-    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "schedule.budget_epochs": 0.25})
-    run_experiment(cfg, out=out / "weight_only-s0")
+    base = tmp_path / "base.yaml"
+    base.write_text(dump_config(tiny_config(tiny_model_dir, **{"schedule.budget_epochs": 0.25})))
     args = argparse.Namespace(out=str(out), report=str(report), methods=["weight_only", "gain"], seeds=[0],
-                              config=None, set=[])
+                              config=str(base), set=[])
+    run_experiment(script.planned_config("weight_only-s0", args), out=out / "weight_only-s0")
     first = script.compare(args).read_text()
     record = report / "runs" / "weight_only-s0"
     assert sorted(p.name for p in record.iterdir()) == sorted(script.RECORD_FILES)
@@ -175,3 +178,7 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     assert script.status_line("gain-s0", args) == "not started"
     again = script.compare(args).read_text()
     assert "| weight_only | 1 |" in again and again == first
+    # a record made with another config is another experiment: it does not count as done
+    other = argparse.Namespace(**{**vars(args), "set": ["weight.lr=0.001"]})
+    assert script.record_of("weight_only-s0", other) is None
+    assert script.status_line("weight_only-s0", other) == "not started"
