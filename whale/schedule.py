@@ -44,9 +44,9 @@ selection score that made a candidate look good. Rule, after every phase:
    tie: alternate, as WHALE does), so one noisy non-positive weight phase does not hand the
    budget to a harness side that has never paid.
 Why the backoff and rule 4 (measured, comparison seed 1): accept-rate slopes over 4 steps are
-noisy (two of six weight phases came out < 0 while val rose 0.01 -> 0.39), and under the plain
-rules (retry after 2, alternate when nothing gained) three harness phases that found nothing
-took 800 of 1,536 budget rollouts (576 candidate, 96 re-scoring, 128 confirmation).
+noisy (two of six readings came out < 0 while val rose 0.01 -> 0.39), and the plain rule
+"alternate when nothing gained" gave three harness phases that found nothing 800 of 1,536
+budget rollouts (576 candidate, 96 re-scoring, 128 confirmation).
 Budgets are checked as for whale: a harness phase is chosen only when a weight step can follow.
 
 Budgets (epochs of D_weight, weight steps, or total budget rollouts = weight + harness-search
