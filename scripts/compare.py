@@ -73,11 +73,15 @@ def method_overrides(method: str, config: str, extra: list[str]) -> list[str]:
 RECORD_FILES = ("config.yaml", "state.json", "metrics.jsonl", "ledger.jsonl", "environment.json")
 
 
-def planned_config(name: str, args):
-    """The config this script would run `name` (<method>-s<seed>) with now."""
+def planned_sets(name: str, args) -> list[str]:
+    """The overrides this script runs `name` (<method>-s<seed>) with: the method's, --set, seed, name."""
     method, seed = name.rsplit("-s", 1)
-    sets = method_overrides(method, args.config, args.set) + list(args.set) + [f"seed={seed}", f"name={name}"]
-    return load_config(args.config, sets)
+    return method_overrides(method, args.config, args.set) + list(args.set) + [f"seed={seed}", f"name={name}"]
+
+
+def planned_config(name: str, args):
+    """The config this script would run `name` with now."""
+    return load_config(args.config, planned_sets(name, args))
 
 
 def record_of(name: str, args, quiet: bool = True) -> Path | None:
@@ -143,8 +147,7 @@ def run_one(method: str, seed: int, args) -> bool:
     else:
         if run_dir.exists():  # created but killed before its state was written: start it again
             shutil.rmtree(run_dir)
-        sets = method_overrides(method, args.config, args.set) + list(args.set) + [f"seed={seed}",
-                                                                                  f"name={method}-s{seed}"]
+        sets = planned_sets(run_dir.name, args)
         cmd = whale + [args.config, "--out", str(run_dir)] + [x for s in sets for x in ("--set", s)]
     print(f"[{time.strftime('%H:%M:%S')}] {'resume' if status == 'partial' else 'start'} {run_dir}", flush=True)
     started = time.monotonic()
@@ -161,10 +164,11 @@ def compare(args) -> Path | None:
     dirs = []
     for name in (f"{m}-s{s}" for s in args.seeds for m in args.methods):
         local = Path(args.out) / name
-        if run_state(local) == "done" or ((local / "metrics.jsonl").exists() and record_of(name, args) is None):
+        record = None if run_state(local) == "done" else record_of(name, args)
+        if run_state(local) == "done" or ((local / "metrics.jsonl").exists() and record is None):
             dirs.append(local)  # finished here, or partial with no finished record: compare what there is
-        elif record_of(name, args) is not None:
-            dirs.append(record_of(name, args))
+        elif record is not None:
+            dirs.append(record)
     if not dirs:
         return None
     present = {m for m in args.methods if any(d.name.startswith(f"{m}-s") for d in dirs)}
