@@ -81,7 +81,7 @@ class SearchQA:
     brief = "search QA"
 
 
-def archive_with(tmp_path, rows) -> Archive:
+def archive_with(tmp_path, rows, version: str = "v0") -> Archive:
     from whale.harness.trajectory import Trajectory
 
     archive = Archive(tmp_path)
@@ -90,7 +90,7 @@ def archive_with(tmp_path, rows) -> Archive:
     for i, r in enumerate(rows):
         r = {**r, "problem_id": f"p{i}", "sample": 0, "harness_id": "h0"}
         trajs.append(Trajectory.from_json(r))
-    archive.record_scores("h0", "v0", trajs)
+    archive.record_scores("h0", version, trajs)
     return archive
 
 
@@ -112,6 +112,8 @@ def test_brief_carries_the_same_diagnosis(tmp_path):
     text = diagnose([row(Q, "your query", [("Paris: x", "Paris")])], "searchqa").text()
     brief = make_brief(SearchQA(), Config(), 2, weights_version="v0", incoming_id="h0", diagnoses={"h0": text})
     assert "What the traces show" in brief and text in brief
+    assert "adapted to the layout" in brief  # trained weights: keep the context's layout
+    assert "adapted to the layout" not in make_brief(SearchQA(), Config(), 2, weights_version="base", incoming_id="h0")
 
 
 def test_a_mechanism_evaluated_under_old_weights_is_proposed_again_under_new_ones(tmp_path):
@@ -135,19 +137,36 @@ def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp
     missing relation (question-as-query among them), under these weights and under new ones."""
     long = row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")
     no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
-    archive = archive_with(tmp_path, [long] * 6 + [no_relation] * 4)
-    ctx = ProposalContext(iteration=2, weights_version="v0", incoming_id="h0")
+    archive = archive_with(tmp_path, [long] * 6 + [no_relation] * 4, version="base")
+    ctx = ProposalContext(iteration=2, weights_version="base", incoming_id="h0")
     first = M.MutationProposer(seed=0).propose(archive, SearchQA(), 3, tmp_path / "ws", ctx)
     long_fixes = {p.mechanism for p in first}
     assert all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == name)) for name in long_fixes)
-    same = archive.traces("h0", "v0")
-    for p in first:  # scored under v0, failing as h0 does: no better than their parent, each one lost
+    same = archive.traces("h0", "base")
+    for p in first:  # scored under the base weights, failing as h0 does: no better than their parent, each one lost
         cid = archive.add_candidate(p.source, "h0", "mutation", p.hypothesis, p.mechanism)
-        archive.record_scores(cid, "v0", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
+        archive.record_scores(cid, "base", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
     assert M.mechanism_record(archive) == {name: (1, 0) for name in long_fixes}
-    for version in ("v0", "v1"):
+    for version in ("base", "v1"):
         ctx = ProposalContext(iteration=3, weights_version=version, incoming_id="h0")
         if version == "v1":
             archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
         nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
         assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
+
+
+def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
+    """Passages that miss the relation: five mechanisms address it; three change the layout of the
+    model's context (more or longer passages, more search turns), two only change the query. Under
+    the base weights the draw among them is seeded; under weights trained in the run the two
+    layout-preserving ones come first for every seed (trained weights co-adapt with the layout)."""
+    no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
+    base_first, trained_first = set(), set()
+    for seed in range(6):
+        for version, seen in (("base", base_first), ("w7", trained_first)):
+            archive = archive_with(tmp_path / f"{seed}-{version}", [no_relation] * 8, version=version)
+            ctx = ProposalContext(iteration=2, weights_version=version, incoming_id="h0")
+            got = M.MutationProposer(seed=seed).propose(archive, SearchQA(), 2, tmp_path / "ws", ctx)
+            seen.update(p.mechanism for p in got)
+    assert trained_first == {"query_rewrite", "question_as_query"} <= M.KEEPS_LAYOUT
+    assert base_first - M.KEEPS_LAYOUT, base_first  # without the rule a layout change is drawn first

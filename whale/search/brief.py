@@ -94,6 +94,12 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
         "\n## Where things stand\n\n",
         f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
     ]
+    if weights_version != "base":
+        parts.append("- These weights were fine-tuned in this run on rollouts of the harnesses before them and have "
+                     "adapted to the layout of the context those showed the model: changes that keep it (which "
+                     "passage or result is shown, sampling and voting, answer parsing, retries) are safer than "
+                     "changes to the prompt text or the format of tool results (measured on search QA: three "
+                     "passages instead of one cost a trained model half its accuracy).\n")
     for p in (frontier or [])[:8]:
         parts.append(f"- frontier: `{p['id']}` success_rate={p['success_rate']:.3f} "
                      f"mean_llm_calls={p['mean_llm_calls']:.2f}\n")

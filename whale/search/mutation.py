@@ -8,7 +8,10 @@ reads the archive's scores: a mechanism that was tried in this run and never bea
 (under any weights) waits until every relevant mechanism not yet shown to fail has had its try,
 so a phase does not spend its candidates on the fixes earlier phases already refuted (measured:
 a seed-1 search QA run spent 12 of 18 candidates over three phases on three such mechanisms and
-never tried question-as-query). It can come back after that: harness and weights are coupled. The
+never tried question-as-query). It can come back after that: harness and weights are coupled.
+Under weights trained in this run, mechanisms that keep the layout of the model's context (vote,
+parsing, which passage is retrieved) go before those that change it (prompt text, passage
+format): trained weights co-adapt with the harness they were trained under (KEEPS_LAYOUT). The
 parent is the best archive member most of the time, another one sometimes. It is still a library,
 not a reasoner: it exists so the whole WHALE loop runs offline, in tests and on a laptop without
 an agent CLI or an API key; real searches should use `agent_cli` or `chat` (whose brief carries
@@ -351,6 +354,22 @@ FIXES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Mechanisms that leave the layout of what the model reads as it was: they change which passage
+# it gets, how many samples are drawn or how a reply is parsed, not the prompt text or the format
+# of the context. Under weights trained in this run they go before the others (relevance ties
+# within each group), because RSFT weights co-adapt with the harness they were trained under:
+# measured on search QA (docs/results/headroom_after_weights), on weight-only's trained weights
+# three passages instead of one cost -0.52 [-0.60, -0.44] test mean@2, while majority vote gained
+# +0.023 [+0.008, +0.043] and question-as-query was neutral; under the base weights the same three
+# passages are a fix. A layout change can still come, after the layout-preserving fixes.
+KEEPS_LAYOUT = frozenset({"majority_vote", "question_as_query", "query_rewrite", "answer_first_line",
+                          "retry_parse_failure", "illegal_retry", "constrained_choice"})
+
+
+def keeps_layout(mutation: "Mutation") -> bool:
+    return mutation.name in KEEPS_LAYOUT
+
+
 def fixes_of(mutation: "Mutation") -> tuple[str, ...]:
     base = "system_prompt_rewrite" if mutation.name.startswith("system_prompt_rewrite") else mutation.name
     return FIXES.get(base, ())
@@ -418,8 +437,10 @@ class MutationProposer:
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
         """Diagnose the parent's traces, then apply the mechanisms that address its failure modes,
         most relevant first, except that one already shown in this run not to beat its parent goes
-        after the relevant ones not shown to fail (then untried-under-these-weights first, seeded
-        ties); mechanisms that address no diagnosed mode come last (library coverage). See FIXES."""
+        after the relevant ones not shown to fail, and under trained weights one that changes the
+        layout of the model's context goes after the layout-preserving ones (KEEPS_LAYOUT); then
+        untried-under-these-weights first, seeded ties; mechanisms that address no diagnosed mode
+        come last (library coverage). See FIXES."""
         self.last_error, self.last_usage = None, {}
         version = context.weights_version
         rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
@@ -433,6 +454,8 @@ class MutationProposer:
         # Mechanisms that were tried in this run and never beat their parent (under any weights)
         # wait until every relevant mechanism not yet shown to fail has had its try.
         lost = {name for name, (tries, wins) in mechanism_record(archive).items() if tries and not wins}
+        # weights trained in this run co-adapted with the harness: layout-preserving fixes first
+        trained = version != "base"
         diagnoses: dict[str, Diagnosis] = {}
         out: list[Proposal] = []
         for _ in range(4 * max(1, n)):
@@ -444,7 +467,8 @@ class MutationProposer:
             if parent not in diagnoses:
                 diagnoses[parent] = diagnose_harness(archive, parent, version, domain.name)
             diag = diagnoses[parent]
-            order = sorted(muts, key=lambda m: (relevance(m, diag) <= 0, m.name in lost, -round(relevance(m, diag), 9),
+            order = sorted(muts, key=lambda m: (relevance(m, diag) <= 0, m.name in lost,
+                                                trained and not keeps_layout(m), -round(relevance(m, diag), 9),
                                                 m.name in tried, rng.random()))
             for mutation in order:
                 new = apply_mutation(mutation, archive.source(parent), parent, rng)
