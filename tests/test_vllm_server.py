@@ -122,7 +122,7 @@ def test_dead_server_is_restarted_with_the_current_adapter(tmp_path):
     os.kill(server_pid(eng), signal.SIGKILL)
     [[g]] = eng.generate([GenerationRequest(QUESTION, seed=1)], SAMPLING)  # in flight when the server is dead
     assert g.finish_reason == "stop" and g.weights_version == "w1"
-    assert eng.restarts == 1 and "exited with code 137" in eng.last_restart_reason
+    assert [r.ok for r in eng.recoveries] == [True] and "exited with code 137" in eng.recoveries[0].reason
     assert len(started(log)) == 2 and eng.base_url == port  # same port: Ray clients keep working
     records = read_log(log)
     second = [r for r in records if r["pid"] != records[0]["pid"]]
@@ -165,6 +165,33 @@ def test_calls_fail_with_the_reason_once_restarts_are_spent(tmp_path):
     gens = [g for gs in out for g in gs]
     assert len(gens) == 3 and all(g.finish_reason == "error" for g in gens)  # no raise: errors, per sample
     assert all("recovered 1 times" in g.text and "exited with code 137" in g.text for g in gens)
+    eng.close()
+
+
+def test_a_failed_recovery_is_recorded_and_counts_against_max_restarts(tmp_path):
+    """A restart that fails, for a reason the engine knows (RuntimeError) or not (any other
+    exception), is one Recovery with ok=False, and it uses up one of max_restarts: a server that
+    cannot come back is not restarted forever."""
+    log = tmp_path / "fake.jsonl"
+    eng = VLLMEngine("m", python=sys.executable, env=fake_env(log), max_restarts=2)
+    os.kill(server_pid(eng), signal.SIGKILL)
+    eng.server.exit_code(wait_s=5.0)
+
+    def broken_start(error):
+        def start():
+            raise error
+        return start
+
+    eng.server.start = broken_start(RuntimeError("the port is taken"))
+    [[g]] = eng.generate([GenerationRequest(QUESTION, seed=0)], SAMPLING)
+    assert g.finish_reason == "error" and "could not be recovered: the port is taken" in g.text
+    eng.server.start = broken_start(ValueError("unexpected"))
+    [[g]] = eng.generate([GenerationRequest(QUESTION, seed=1)], SAMPLING)
+    assert g.finish_reason == "error" and "unexpected" in g.text
+    assert [(r.ok, r.reason.split("; ")[-1]) for r in eng.recoveries] == [
+        (False, "recovery failed: the port is taken"), (False, "recovery failed: unexpected")]
+    [[g]] = eng.generate([GenerationRequest(QUESTION, seed=2)], SAMPLING)
+    assert g.finish_reason == "error" and "already recovered 2 times" in g.text
     eng.close()
 
 

@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 
 from whale.config import Config, ConfigError
 from whale.domains import Domain, Problem, load_domain
-from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams, error_generations, wait_all
+from whale.engine.base import Engine, Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all
 from whale.harness.progress import ProgressBar
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import Trajectory
@@ -151,7 +151,7 @@ class EngineProxy:
     """The `Engine` protocol inside a worker: every call goes through the EngineActor to the driver."""
 
     weight_sync = "none"  # workers never train: weights are pushed to the driver's engine
-    recoveries: tuple[str, ...] = ()  # the driver's engine recovers its server and logs it
+    recoveries: tuple[Recovery, ...] = ()  # the driver's engine recovers its server and logs it
 
     def __init__(self, mailbox: Any, returns_ids: bool):
         self.mailbox = mailbox

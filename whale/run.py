@@ -204,8 +204,7 @@ class Experiment:
         which unit it hit and why, so an incident is in metrics.jsonl, not only on stderr."""
         recoveries = self.engine.recoveries
         for n in range(self._recoveries_logged, len(recoveries)):
-            reason = recoveries[n]
-            self.log("engine_recovered", id=f"recovery-{n}", reason=reason, ok="recovery failed" not in reason)
+            self.log("engine_recovered", id=f"recovery-{n}", reason=recoveries[n].reason, ok=recoveries[n].ok)
         self._recoveries_logged = len(recoveries)
 
     def _sync_progress(self) -> None:

@@ -36,6 +36,14 @@ class SamplingParams:
     max_tokens_cap: int = 1024
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """One attempt to bring an engine's dead server back mid-run: why it was needed, whether it worked."""
+
+    reason: str  # e.g. "exited with code 137", or "not healthy (...)"; a failed attempt says why it failed
+    ok: bool
+
+
 @dataclass
 class GenerationRequest:
     """One `llm(...)` call of one episode.
@@ -95,7 +103,7 @@ class Engine(Protocol):
     message as text, so one episode fails, not its batch-mates. `generate` is "submit all, wait
     all": per request, a list of `n` generations, under the same rule.
 
-    `recoveries` grows by one line (why, and whether it worked) each time the engine had to bring
+    `recoveries` grows by one `Recovery` (why, and whether it worked) each time the engine had to bring
     its server back mid-run (a vLLM server that died); an engine without a server keeps it empty. The run logs
     each one as an `engine_recovered` metrics row, so an incident is on record, not only on stderr.
 
@@ -108,7 +116,7 @@ class Engine(Protocol):
     weights_version: str
     returns_ids: bool
     weight_sync: WeightSync
-    recoveries: Sequence[str]  # one line per attempt to bring its dead server back, with the outcome
+    recoveries: Sequence[Recovery]  # one per attempt to bring its dead server back, with the outcome
 
     def submit(self, request: GenerationRequest, sampling: SamplingParams) -> Future[list[Generation]]: ...
 
@@ -191,7 +199,7 @@ class QueuedSubmit:
     that batch with error generations, never the futures.
     """
 
-    recoveries: Sequence[str] = ()  # no server of its own to bring back
+    recoveries: Sequence[Recovery] = ()  # no server of its own to bring back
 
     def lockstep(self, clients: int, hold_s: float = 1.0) -> None:
         """Whole batches form from whatever queued meanwhile: no deterministic batching."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from whale.engine.base import (Generation, GenerationRequest, SamplingParams, error_generations, wait_all,
+from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all,
                                weights_kind)
 from whale.engine.default_model import resolve_model_path
 from whale.engine.jobs import Job, Seq
@@ -79,7 +79,7 @@ class HFEngine:
 
     returns_ids = True
     weight_sync = "in_place"  # the trainer updates self.model; see engine.base.WeightSync
-    recoveries: tuple[str, ...] = ()  # in process: no server that could die and come back
+    recoveries: tuple[Recovery, ...] = ()  # in process: no server that could die and come back
 
     def __init__(
         self,

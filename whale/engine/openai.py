@@ -40,7 +40,7 @@ import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams
 from whale.engine.toolcalls import parse_tool_calls
 
 _EXTRA_FIELDS = ("top_k", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
@@ -152,7 +152,7 @@ class OpenAIEngine:
 
     returns_ids = False
     weight_sync = "none"  # inference only: a generic endpoint cannot load our weights
-    recoveries: tuple[str, ...] = ()  # someone else's endpoint: failed calls are retried, not recovered
+    recoveries: tuple[Recovery, ...] = ()  # someone else's endpoint: failed calls are retried, not recovered
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 120.0,
                  max_concurrency: int = 16, tokenizer_path: str | None = None, max_retries: int = 2):

@@ -57,7 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.engine.base import Generation, GenerationRequest, SamplingParams, wait_all, weights_kind
+from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams, wait_all, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
@@ -129,8 +129,7 @@ class VLLMEngine:
         self.max_restarts = max_restarts
         self.call_attempts = call_attempts
         self.weights_version = "base"
-        self.restarts = 0  # recoveries of a server that was down
-        self.recoveries: list[str] = []  # their reasons (Engine.recoveries)
+        self.recoveries: list[Recovery] = []  # attempts to recover a server that was down (Engine.recoveries)
         self.last_restart_reason: str | None = None
         self._epoch = 0  # +1 per recovery: a failed request knows whether someone already recovered
         self._lock = threading.RLock()  # server restarts and weight loads
@@ -228,15 +227,14 @@ class VLLMEngine:
                 except (RuntimeError, HTTPFailure) as e:
                     raise ServerDown(str(e)) from None
                 return failure.status in (0, 404)
-            if self.restarts >= self.max_restarts:
-                raise ServerDown(f"the vLLM server is down and was already recovered {self.restarts} times "
+            if len(self.recoveries) >= self.max_restarts:
+                raise ServerDown(f"the vLLM server is down and was already recovered {len(self.recoveries)} times "
                                  f"(max_restarts); last: {self.last_restart_reason}")
-            self.restarts += 1
             code = None if self.server is None else self.server.exit_code(wait_s=2.0)
             self.last_restart_reason = (f"exited with code {code}" if code is not None else f"not healthy ({failure})")
             where = f"log {self.server.log_path}" if self.server else f"at {self.base_url}"
             print(f"whale: the vLLM server {self.last_restart_reason}; recovering it "
-                  f"({self.restarts}/{self.max_restarts}, {where})", file=sys.stderr)
+                  f"({len(self.recoveries) + 1}/{self.max_restarts}, {where})", file=sys.stderr)
             try:
                 if self.server is not None:
                     self.server.stop()
@@ -245,12 +243,14 @@ class VLLMEngine:
                     self._wait_for_external()
                 self._describe_server()
                 self._reload_current()
-            except (RuntimeError, HTTPFailure) as e:
-                self.last_restart_reason += f"; recovery failed: {str(e).splitlines()[0]}"
-                self.recoveries.append(self.last_restart_reason)
-                raise ServerDown(f"the vLLM server could not be recovered: {e}") from None
+            except Exception as e:  # any failure counts against max_restarts, so retries stay bounded
+                self.last_restart_reason += f"; recovery failed: {(str(e) or type(e).__name__).splitlines()[0]}"
+                self.recoveries.append(Recovery(self.last_restart_reason, ok=False))
+                if isinstance(e, (RuntimeError, HTTPFailure)):
+                    raise ServerDown(f"the vLLM server could not be recovered: {e}") from None
+                raise
             self._epoch += 1
-            self.recoveries.append(self.last_restart_reason)
+            self.recoveries.append(Recovery(self.last_restart_reason, ok=True))
             print(f"whale: the vLLM server is back (weights {self.weights_version})", file=sys.stderr)
             return True
 
