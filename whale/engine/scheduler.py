@@ -54,6 +54,7 @@ from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, f
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
 from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
+from whale.sysmem import release_free_memory
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
     from whale.engine.hf import HFEngine
@@ -169,6 +170,7 @@ class Scheduler:
                             # slab's width after a clear decides the decode attention's shapes
                             self.busy = False
                             self.slab.clear()
+                            release_free_memory()  # the batch's freed tensors, back to the OS
                             self.cond.notify_all()
                         timeout = IDLE_EXIT_S
                         if self._has_work():  # held by a lockstep client whose call is due

@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from whale.config import LoraConfig, WeightConfig
+from whale.sysmem import release_free_memory
 from whale.weights.rows import TrainingRow
 
 # Module-name parts that mark a non-language tower of a multimodal model.
@@ -313,6 +314,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             self.model.eval()
+            release_free_memory()  # the step's activations were freed into the heap: give the pages back
         return {
             "loss": total_nll / max(loss_tokens, 1),
             "trained_tokens": loss_tokens,
