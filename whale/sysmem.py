@@ -20,9 +20,11 @@ import functools
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def release_free_memory() -> bool:
@@ -30,6 +32,5 @@ def release_free_memory() -> bool:
     trim = _malloc_trim()
     if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
