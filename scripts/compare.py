@@ -18,7 +18,7 @@ bought per phase, and the rollouts each method needed to reach weight-only's bes
 
 Records outlive the machine. With `--report DEST`, every finished run's record (config.yaml,
 state.json, metrics.jsonl, ledger.jsonl, environment.json: a few tens of kB, everything `whale
-compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing. A later session's rerun
+compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing, as soon as the run ends. A later session's rerun
 of the same command counts a run with a finished record made with the same config as done (it is
 not redone) and compares it with the runs it has locally, so a comparison spread over many
 sessions pools all its seeds; a record of another config is another experiment and is redone.
@@ -154,6 +154,8 @@ def run_one(method: str, seed: int, args) -> bool:
     rc = subprocess.call(cmd, cwd=ROOT)
     print(f"[{time.strftime('%H:%M:%S')}] {'ok' if rc == 0 else f'FAILED (exit {rc})'} {run_dir} "
           f"({time.monotonic() - started:.0f} s)", flush=True)
+    if rc == 0:
+        keep_records(args)  # now, not after the last run: a session can end before that
     return rc == 0
 
 

@@ -182,3 +182,26 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     other = argparse.Namespace(**{**vars(args), "set": ["weight.lr=0.001"]})
     assert script.record_of("weight_only-s0", other) is None
     assert script.status_line("weight_only-s0", other) == "not started"
+
+
+def test_compare_script_keeps_a_record_as_soon_as_its_run_ends(tiny_model_dir, tmp_path, monkeypatch):
+    """A session can end during a later run of the batch: each run's record is copied when that
+    run ends, not when the whole batch does."""
+    import argparse
+
+    from whale.config import dump_config
+
+    script = _compare_script()
+    out, report = tmp_path / "runs", tmp_path / "docs"
+    base = tmp_path / "base.yaml"
+    base.write_text(dump_config(tiny_config(tiny_model_dir, **{"schedule.budget_epochs": 0.25})))
+    args = argparse.Namespace(out=str(out), report=str(report), methods=["weight_only"], seeds=[0],
+                              config=str(base), set=[])
+
+    def run_in_process(cmd, cwd=None):  # what `python -m whale.cli run ...` would do, in process
+        run_experiment(script.planned_config("weight_only-s0", args), out=out / "weight_only-s0")
+        return 0
+
+    monkeypatch.setattr(script.subprocess, "call", run_in_process)
+    assert script.run_one("weight_only", 0, args)
+    assert script.record_of("weight_only-s0", args) == report / "runs" / "weight_only-s0"
