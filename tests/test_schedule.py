@@ -236,3 +236,15 @@ def test_gain_weight_phases_in_a_row_are_separate_phases(tiny_model_dir, tmp_pat
     step_cost = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
     assert [g["phase"] for g in gains] == ["weight", "harness", "weight", "weight"]
     assert [g["rollouts"] for g in gains if g["phase"] == "weight"] == [2 * step_cost] * 3
+
+
+def test_gain_a_replaced_harness_sends_the_budget_back_to_the_weights():
+    """Comparison seed 0: the first harness phase replaced h0 (fresh gain +0.22) while the weight
+    side's slope, measured under h0, was small; the old rule ran a second harness phase under the
+    same weights (192 rollouts, nothing found) before the weights could train under the new
+    harness. A replaced harness makes the weight side's estimate stale: it runs next, once it has
+    paid at all; a weight side that never paid is not forced (harness-bound domains keep WHH...)."""
+    seq, _ = gain_phases(lambda i: 0.01, lambda i: 0.25 if i < 3 else 0.0)
+    assert seq.startswith("WHWHWHW")
+    seq, _ = gain_phases(lambda i: 0.0, lambda i: 0.25 if i < 3 else 0.0)
+    assert seq.startswith("WHHHHW")
