@@ -36,9 +36,10 @@ selection score that made a candidate look good. Rule, after every phase:
 1. each side runs once first (weight, then harness: the paper's order);
 1b. a harness phase that replaced the harness is followed by a weight phase if the weight side
    has gained at all in this run: its last gain was measured under the harness that was replaced,
-   and a better harness changes what RSFT can learn from (measured, comparison seed 0: the weight side's slope under h0 was 1/32 -> 1/32
-   accepted; under the accepted h4 the next steps accepted 11-27 of 32, while a second harness
-   phase under the same weights, chosen on the stale estimate, spent 192 rollouts and found nothing);
+   and a better harness changes what RSFT can learn from (measured, comparison seed 0: under h0
+   the weight steps accepted 0-1 of 32; under the accepted h4 the next ones accepted 11-27 of 32,
+   while a second harness phase under the same weights, chosen on the stale estimate, spent 192
+   rollouts and found nothing);
 2. exploration with backoff: once one side has run `gain_explore` phases in a row, the other
    runs next, so a stalled side is retried (its gain may have changed: the two sides are coupled);
    the wait doubles for each of the other side's latest phases in a row that gained nothing (at
