@@ -31,10 +31,12 @@ TESTS = Path(__file__).resolve().parent
 # of its seed only when its batch is too (BLAS sums a row differently in batches of other shapes,
 # and which episodes share a batch depends on timing), and the comparison below is exact.
 # With 4 harness problems no paired test reaches p <= 0.05 (its least p-value is 1/16): alpha 1 and no
-# confirmation re-run make acceptance "a positive gain on the selection traces" (h1 0.75 vs h0 0.25
-# here), so the harness phase replaces h0 and its phase-end evaluation runs.
+# confirmation re-run make acceptance "a positive gain on the selection traces", so the harness
+# phase replaces h0 and its phase-end evaluation runs. Two candidates (a majority vote, which the
+# proposer tries first under trained weights, and a system-prompt rewrite, which wins here): the
+# shape then does not hang on which of the two the proposer orders first.
 WHALE = {"eval.every_steps": 3, "weight.keep_versions": 0, "runner.concurrency": 1,
-         "harness.accept_alpha": 1.0, "harness.confirm_top": 0}
+         "harness.accept_alpha": 1.0, "harness.confirm_top": 0, "harness.candidates_per_iteration": 2}
 # weight-only full fine-tuning: keep_versions (LoRA only) must not keep old full checkpoints
 FULL = {"schedule.kind": "weight_only", "weight.finetune": "full", "weight.keep_versions": 2,
         "eval.every_steps": 2, "runner.concurrency": 1}
