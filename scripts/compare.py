@@ -121,7 +121,8 @@ def run_state(run_dir: Path) -> str:
     if not state.exists():
         return "not started"
     try:
-        return "done" if json.loads(state.read_text()).get("phase") == "done" else "partial"
+        # `finished`, not phase "done": the run's last evaluation runs after its phase turns "done"
+        return "done" if json.loads(state.read_text()).get("finished") else "partial"
     except json.JSONDecodeError:
         return "partial"
 

@@ -205,3 +205,9 @@ def test_compare_script_keeps_a_record_as_soon_as_its_run_ends(tiny_model_dir, t
     monkeypatch.setattr(script.subprocess, "call", run_in_process)
     assert script.run_one("weight_only", 0, args)
     assert script.record_of("weight_only-s0", args) == report / "runs" / "weight_only-s0"
+    # killed in its final evaluation: the phase is "done" but the run is not finished, so it is
+    # resumed and its record (without the final test) is not kept as done
+    state_path = out / "weight_only-s0" / "state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({**state, "finished": None, "pending_eval": {"tag": "w4", "last": True}}))
+    assert state["phase"] == "done" and script.run_state(out / "weight_only-s0") == "partial"
