@@ -18,10 +18,11 @@ bought per phase, and the rollouts each method needed to reach weight-only's bes
 
 Records outlive the machine. With `--report DEST`, every finished run's record (config.yaml,
 state.json, metrics.jsonl, ledger.jsonl, environment.json: a few tens of kB, everything `whale
-compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing, as soon as the run ends. A later session's rerun
-of the same command counts a run with a finished record made with the same config as done (it is
-not redone) and compares it with the runs it has locally, so a comparison spread over many
-sessions pools all its seeds; a record of another config is another experiment and is redone.
+compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing as soon as the run ends.
+A later session's rerun of the same command counts a run with a finished record made with the
+same config as done (it is not redone) and compares it with the runs it has locally, so a
+comparison spread over many sessions pools all its seeds; a record of another config is another
+experiment and is redone.
 
 The methods differ only in the keys below (schedule.kind and what that kind needs); everything
 else, including the rollout budget, comes from the config. Stagewise spends half the budget on a
