@@ -134,7 +134,7 @@ def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp
 
     """Seed 1 of the comparison: long answers dominate, passages also miss the relation. After
     the long-answer fixes lost to their parent, the next five proposals are the five fixes for the
-    missing relation (question-as-query among them), under these weights and under new ones."""
+    missing relation (question-as-query among them)."""
     long = row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")
     no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
     archive = archive_with(tmp_path, [long] * 6 + [no_relation] * 4, version="base")
@@ -147,12 +147,16 @@ def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp
         cid = archive.add_candidate(p.source, "h0", "mutation", p.hypothesis, p.mechanism)
         archive.record_scores(cid, "base", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
     assert M.mechanism_record(archive) == {name: (1, 0) for name in long_fixes}
-    for version in ("base", "v1"):
-        ctx = ProposalContext(iteration=3, weights_version=version, incoming_id="h0")
-        if version == "v1":
-            archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
-        nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
-        assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
+    ctx = ProposalContext(iteration=3, weights_version="base", incoming_id="h0")
+    nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
+    assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
+    # under weights trained since, the layout rule comes first: the two layout-preserving relation
+    # fixes, then the layout-preserving fix that lost (under other weights), then layout changes
+    archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
+    ctx = ProposalContext(iteration=3, weights_version="v1", incoming_id="h0")
+    got = [p.mechanism for p in M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)]
+    assert set(got[:2]) == {"query_rewrite", "question_as_query"} and got[2] == "answer_first_line", got
+    assert set(got[3:]) <= RELATION_FIXES - M.KEEPS_LAYOUT, got
 
 
 def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):

@@ -361,7 +361,10 @@ FIXES: dict[str, tuple[str, ...]] = {
 # measured on search QA (docs/results/headroom_after_weights), on weight-only's trained weights
 # three passages instead of one cost -0.52 [-0.60, -0.44] test mean@2, while majority vote gained
 # +0.023 [+0.008, +0.043] and question-as-query was neutral; under the base weights the same three
-# passages are a fix. A layout change can still come, after the layout-preserving fixes.
+# passages are a fix. A layout change can still come, after the layout-preserving fixes, even
+# after those that lost under earlier weights: in the seed-0 `gain_v2` run's second harness phase
+# (weights w11, h4 at ~0.88) the layout changes scored 0.06 (more search turns), 0.22 (three
+# passages) and 0.50 (retrieved titles) on 32 problems, while the layout-preserving ones held 0.875.
 KEEPS_LAYOUT = frozenset({"majority_vote", "question_as_query", "query_rewrite", "answer_first_line",
                           "retry_parse_failure", "illegal_retry", "constrained_choice"})
 
@@ -436,11 +439,11 @@ class MutationProposer:
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
         """Diagnose the parent's traces, then apply the mechanisms that address its failure modes,
-        most relevant first, except that one already shown in this run not to beat its parent goes
-        after the relevant ones not shown to fail, and under trained weights one that changes the
-        layout of the model's context goes after the layout-preserving ones (KEEPS_LAYOUT); then
-        untried-under-these-weights first, seeded ties; mechanisms that address no diagnosed mode
-        come last (library coverage). See FIXES."""
+        most relevant first, except that under trained weights one that changes the layout of the
+        model's context goes after every layout-preserving one (KEEPS_LAYOUT), and within each group
+        one already shown in this run not to beat its parent goes after those not shown to fail;
+        then untried-under-these-weights first, seeded ties; mechanisms that address no diagnosed
+        mode come last (library coverage). See FIXES."""
         self.last_error, self.last_usage = None, {}
         version = context.weights_version
         rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
@@ -467,8 +470,8 @@ class MutationProposer:
             if parent not in diagnoses:
                 diagnoses[parent] = diagnose_harness(archive, parent, version, domain.name)
             diag = diagnoses[parent]
-            order = sorted(muts, key=lambda m: (relevance(m, diag) <= 0, m.name in lost,
-                                                trained and not keeps_layout(m), -round(relevance(m, diag), 9),
+            order = sorted(muts, key=lambda m: (relevance(m, diag) <= 0, trained and not keeps_layout(m),
+                                                m.name in lost, -round(relevance(m, diag), 9),
                                                 m.name in tried, rng.random()))
             for mutation in order:
                 new = apply_mutation(mutation, archive.source(parent), parent, rng)
