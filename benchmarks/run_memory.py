@@ -80,10 +80,9 @@ def main() -> None:
             if proc.poll() is not None:
                 ends[name] = time.time() - t0
                 continue
-            r = rss_kb(proc.pid)
+            r, done = rss_kb(proc.pid), steps_done(run_out)
             peak[name] = max(peak[name], r)
-            by_step[name].setdefault(steps_done(run_out), r)
-            by_step[name][steps_done(run_out)] = max(by_step[name][steps_done(run_out)], r)
+            by_step[name][done] = max(by_step[name].get(done, 0), r)
         time.sleep(0.5)
     for name, (proc, _) in procs.items():
         if proc.returncode != 0:
