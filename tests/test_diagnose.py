@@ -28,7 +28,9 @@ def row(question, query=None, passages=(), answer="<answer>x</answer>", reward=0
 
 Q = "What is the capital of Kenya?"
 KENYA = ("Kenya: Government > Capital > name", "Nairobi")
-RELATION_FIXES = {"more_passages", "longer_passages", "query_rewrite", "question_as_query", "more_search_turns"}
+RELATION_FIXES = {"more_passages", "longer_passages", "query_rewrite", "question_as_query", "more_search_turns",
+                  "rerank_passages"}
+RELATION_KEEPS_LAYOUT = {"query_rewrite", "question_as_query", "rerank_passages"}
 
 
 def test_key_terms_split_entity_from_what_is_asked():
@@ -104,7 +106,7 @@ def test_mutation_proposer_addresses_the_dominant_failure_and_says_why(tmp_path)
     assert "off_topic_query in 8/8" in hyp and "addresses off_topic_query" in hyp and first[0].parent == "h0"
     sentences = archive_with(tmp_path / "b", [row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")] * 8)
     got = M.MutationProposer(seed=0).propose(sentences, SearchQA(), 2, tmp_path / "ws", ctx)
-    assert {p.mechanism for p in got} <= set(M.FIXES) and \
+    assert len(got) == 2 and \
         all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == p.mechanism)) for p in got)
 
 
@@ -148,21 +150,22 @@ def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp
         archive.record_scores(cid, "base", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
     assert M.mechanism_record(archive) == {name: (1, 0) for name in long_fixes}
     ctx = ProposalContext(iteration=3, weights_version="base", incoming_id="h0")
-    nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
+    nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 6, tmp_path / "ws", ctx)
     assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
-    # under weights trained since, the layout rule comes first: the two layout-preserving relation
+    # under weights trained since, the layout rule comes first: the three layout-preserving relation
     # fixes, then the layout-preserving fix that lost (under other weights), then layout changes
     archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
     ctx = ProposalContext(iteration=3, weights_version="v1", incoming_id="h0")
-    got = [p.mechanism for p in M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)]
-    assert set(got[:2]) == {"query_rewrite", "question_as_query"} and got[2] == "answer_first_line", got
-    assert set(got[3:]) <= RELATION_FIXES - M.KEEPS_LAYOUT, got
+    got = [p.mechanism for p in M.MutationProposer(seed=0).propose(archive, SearchQA(), 6, tmp_path / "ws", ctx)]
+    assert set(got[:3]) == RELATION_KEEPS_LAYOUT and got[3] == "answer_first_line", got
+    assert set(got[4:]) <= RELATION_FIXES - M.KEEPS_LAYOUT, got
 
 
 def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
-    """Passages that miss the relation: five mechanisms address it; three change the layout of the
-    model's context (more or longer passages, more search turns), two only change the query. Under
-    the base weights the draw among them is seeded; under weights trained in the run the two
+    """Passages that miss the relation: six mechanisms address it; three change the layout of the
+    model's context (more or longer passages, more search turns), three only change which passage
+    is retrieved (the query, or the order of the passages). Under
+    the base weights the draw among them is seeded; under weights trained in the run the three
     layout-preserving ones come first for every seed (trained weights co-adapt with the layout)."""
     no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
     base_first, trained_first = set(), set()
@@ -172,5 +175,5 @@ def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
             ctx = ProposalContext(iteration=2, weights_version=version, incoming_id="h0")
             got = M.MutationProposer(seed=seed).propose(archive, SearchQA(), 2, tmp_path / "ws", ctx)
             seen.update(p.mechanism for p in got)
-    assert trained_first == {"query_rewrite", "question_as_query"} <= M.KEEPS_LAYOUT
+    assert trained_first <= RELATION_KEEPS_LAYOUT <= M.KEEPS_LAYOUT and len(trained_first) >= 2
     assert base_first - M.KEEPS_LAYOUT, base_first  # without the rule a layout change is drawn first

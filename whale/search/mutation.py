@@ -296,6 +296,10 @@ LIBRARY: list[Mutation] = [
     Mutation("question_as_query", ("searchqa",), "The model writes poor queries (often an unrelated name); the "
              "question itself retrieves the right passage ~95% of the time with BM25.",
              _wrap("question_as_query", B.QUESTION_AS_QUERY, needs="env.search("), conflicts=("query_rewrite",)),
+    Mutation("rerank_passages", ("searchqa",), "BM25's top passage is often another field of the right entity "
+             "(a short one that repeats its name); drawing ten and putting first those whose titles name what "
+             "the question asks keeps one passage, now the one with the answer.",
+             _wrap("rerank_passages", B.RERANK_PASSAGES, needs="env.search(", imports=("unicodedata",))),
     Mutation("answer_first_line", ("searchqa",), "After the right entity the model keeps writing (explanations, "
              "new lines), which fails exact match; ending the answer at the first line keeps just the entity.",
              _wrap("answer_first_line", B.ANSWER_FIRST_LINE, needs="<answer>")),
@@ -342,6 +346,7 @@ FIXES: dict[str, tuple[str, ...]] = {
     "question_as_query": ("off_topic_query", "empty_retrieval", "unused_tool", "tool_error", "missing_relation"),
     "answer_first_line": ("long_answer", "length_cutoff", "empty_answer"),
     "more_search_turns": ("missing_relation",),
+    "rerank_passages": ("missing_relation", "off_topic_retrieval"),
     "python_first": ("unused_tool", "wrong_answer", "tool_error"),
     "boxed_reminder": ("no_boxed_answer", "length_cutoff"),
     "retry_parse_failure": ("no_boxed_answer", "length_cutoff", "no_submission"),
@@ -365,7 +370,7 @@ FIXES: dict[str, tuple[str, ...]] = {
 # after those that lost under earlier weights: in the seed-0 `gain_v2` run's second harness phase
 # (weights w11, h4 at ~0.88) the layout changes scored 0.06 (more search turns), 0.22 (three
 # passages) and 0.50 (retrieved titles) on 32 problems, while the layout-preserving ones held 0.875.
-KEEPS_LAYOUT = frozenset({"majority_vote", "question_as_query", "query_rewrite", "answer_first_line",
+KEEPS_LAYOUT = frozenset({"majority_vote", "question_as_query", "query_rewrite", "rerank_passages", "answer_first_line",
                           "retry_parse_failure", "illegal_retry", "constrained_choice"})
 
 
