@@ -97,6 +97,17 @@ def test_rollout_budget_skips_harness_phase_it_cannot_follow_with_weights():
     assert sum(n * 10 for k, n in seq) <= 80 + 10
 
 
+def test_a_harness_phase_that_fits_only_in_part_still_runs():
+    """After 6 weight steps (60 rollouts) 35 are left: a whole phase of 3 iterations (30) and a
+    step (10) do not fit, the re-scoring and one proposer iteration (20) and a step do; with 25
+    left not even that fits and the weights keep the budget."""
+    common = ["schedule.kind=whale", "schedule.weight_epochs=0.6", "schedule.harness_iterations=3",
+              "schedule.budget_epochs=null"]
+    seq = phases(common + ["schedule.budget_rollouts=95"])
+    assert [k for k, n in seq] == ["W", "H", "W"] and seq[1][1] >= 2, seq
+    assert [k for k, n in phases(common + ["schedule.budget_rollouts=85"])] == ["W"]
+
+
 def test_fraction_of_an_epoch_rounds_to_at_least_one_step():
     cfg = load_config(None, ["schedule.weight_epochs=0.01"])
     assert Schedule(cfg, 10, 1, 1).phase_steps_fixed() == 1

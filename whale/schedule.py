@@ -179,11 +179,18 @@ class Schedule:
         return "weight"
 
     def harness_phase_fits(self, p: Progress) -> bool:
-        """A rollout budget leaves room for a whole harness phase and one weight step after it."""
+        """A rollout budget leaves room for a harness phase of at least the re-scoring and one
+        proposer iteration (and its confirmation), and one weight step after it. The phase then
+        runs as many of its planned iterations as the budget allows (`harness_phase_over`
+        between iterations). Why not the whole planned phase: with 64 harness problems a phase
+        of I = 3 costs 576 budget rollouts, and the seed-0 `gain` run of the comparison reached
+        its exploration point with 544 left: the harness side, whose turn it was, never got one
+        (2026-12-02); a phase of one proposer iteration still tries M candidates."""
         left = self.budget_left(p)
         if left is None or not self.cfg.end_with_weight_phase:
             return True
-        need = self.harness_iterations_planned() * self.harness_iteration_cost + self.harness_phase_extra
+        iterations = min(self.harness_iterations_planned(), 2)
+        need = iterations * self.harness_iteration_cost + self.harness_phase_extra
         return left >= need + self.weight_step_cost
 
     # ------------------------------------------------------------------ kind: gain
