@@ -108,6 +108,19 @@ def test_a_harness_phase_that_fits_only_in_part_still_runs():
     assert [k for k, n in phases(common + ["schedule.budget_rollouts=85"])] == ["W"]
 
 
+def test_a_harness_phase_leaves_the_weight_step_that_follows_it():
+    """25 rollouts left, iterations of 10, a confirmation of up to 10, steps of 10: another
+    iteration would leave 5 after its confirmation, no weight step; so the phase stops. Kinds
+    with no weight phase after the harness phase keep no reserve."""
+    p = Progress(budget_rollouts=75)
+    for kind, over in (("whale", True), ("gain", True), ("harness_only", False), ("stagewise", False)):
+        cfg = load_config(None, [f"schedule.kind={kind}", "schedule.budget_rollouts=100", "schedule.budget_epochs=null"])
+        assert Schedule(cfg, 10, 10, 10, harness_phase_extra=10).harness_phase_over(p, 1) is over, kind
+    p.budget_rollouts = 65
+    cfg = load_config(None, ["schedule.kind=whale", "schedule.budget_rollouts=100", "schedule.budget_epochs=null"])
+    assert not Schedule(cfg, 10, 10, 10, harness_phase_extra=10).harness_phase_over(p, 1)
+
+
 def test_fraction_of_an_epoch_rounds_to_at_least_one_step():
     cfg = load_config(None, ["schedule.weight_epochs=0.01"])
     assert Schedule(cfg, 10, 1, 1).phase_steps_fixed() == 1

@@ -259,9 +259,20 @@ class Schedule:
         return h.harness_iterations
 
     def harness_phase_over(self, p: Progress, iterations_this_phase: int) -> bool:
-        """Between harness iterations (non-adaptive): budget check for rollout budgets."""
+        """Between harness iterations: no room for another iteration and the confirmation, and,
+        where a weight phase is to follow (`end_with_weight_phase`), one weight step after them.
+        Without that reserve the seed-0 `gain_v3` run's last harness phase (2026-12-02) ran its
+        third iteration with exactly the rollouts for it and its confirmation, and the run ended
+        without training under the harness it accepted."""
         left = self.budget_left(p)
-        return left is not None and left < self.harness_iteration_cost + self.harness_phase_extra
+        if left is None:
+            return False
+        reserve = self.weight_step_cost if self.weight_phase_follows() else 0
+        return left < self.harness_iteration_cost + self.harness_phase_extra + reserve
+
+    def weight_phase_follows(self) -> bool:
+        """Does a weight phase come after a harness phase (for budget reserves)?"""
+        return self.trains_weights and self.cfg.end_with_weight_phase and self.kind != "stagewise"
 
 
 def _slope(ys: list[float]) -> float:
