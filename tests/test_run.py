@@ -42,6 +42,21 @@ def events(run_dir):
     return [r.get("event") for r in read_metrics(run_dir)]
 
 
+def test_every_steps_evaluations_continue_in_an_extended_weight_phase(tiny_model_dir, tmp_path):
+    """After the first 1-step weight phase the 39-rollout budget has no room for a harness phase,
+    so the phase goes on step by step (`weight_more`) to the end of the budget; the evaluations
+    every 2 steps must go on with it (they used to stop: docs/results/cmp_h64, `gain`)."""
+    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "whale", "schedule.weight_epochs": 0.25,
+                                         "schedule.budget_epochs": "null", "schedule.budget_rollouts": 39,
+                                         "eval.every_steps": 2, "eval.intermediate_splits": "[val]"})
+    run_dir = run_experiment(cfg, out=tmp_path / "extended")
+    rows = read_metrics(run_dir)
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    assert len(steps) == 5 and not [r for r in rows if r.get("event") == "harness_accepted"]
+    evals = {r.get("tag") for r in rows if r.get("event") == "eval" and r.get("split") == "val"}
+    assert {"w2", "w4"} <= evals, evals
+
+
 def test_whale_schedule_runs_end_to_end(tiny_model_dir, tmp_path):
     cfg = tiny_config(tiny_model_dir)
     run_dir = run_experiment(cfg, out=tmp_path / "whale")

@@ -388,7 +388,9 @@ class Experiment:
                     st["phase_end_weights"].append(st["weights_version"])  # kept for `whale matrix`
                 self._end_phase(f"w{p.weight_steps}", nxt)
                 p.phase_steps = 0
-        elif self.cfg.eval.every_steps and p.weight_steps % self.cfg.eval.every_steps == 0:
+                return
+        # every N steps, also in a phase extended step by step (`weight_more`), which used to skip them
+        if self.cfg.eval.every_steps and p.weight_steps % self.cfg.eval.every_steps == 0:
             st["pending_eval"] = self._eval_marker(f"w{p.weight_steps}")
 
     def _count_weight_rollouts(self, meta: dict[str, Any]) -> None:
