@@ -184,8 +184,9 @@ class Schedule:
         runs as many of its planned iterations as the budget allows (`harness_phase_over`
         between iterations). Why not the whole planned phase: with 64 harness problems a phase
         of I = 3 costs 576 budget rollouts, and the seed-0 `gain` run of the comparison reached
-        its exploration point with 544 left: the harness side, whose turn it was, never got one
-        (2026-12-02); a phase of one proposer iteration still tries M candidates."""
+        its exploration point with 576 left (a phase and a step need 608): the harness side,
+        whose turn it was, never got one (2026-12-02); a phase of one proposer iteration still
+        tries M candidates."""
         left = self.budget_left(p)
         if left is None or not self.cfg.end_with_weight_phase:
             return True
