@@ -170,7 +170,7 @@ class Schedule:
             left = self.budget_left(p)
             return "harness" if left is not None and left >= self.harness_iteration_cost + self.harness_phase_extra \
                 else "done"
-        if self.kind in ("harness_only", "stagewise"):
+        if self.harness_phase_ends_run():
             return "done"
         if self.weight_budget_spent(p):
             return "done"
@@ -271,9 +271,13 @@ class Schedule:
         reserve = self.weight_step_cost if self.weight_phase_follows() else 0
         return left < self.harness_iteration_cost + self.harness_phase_extra + reserve
 
+    def harness_phase_ends_run(self) -> bool:
+        """Kinds whose harness phase is their last: harness-only, and stagewise's second stage."""
+        return self.kind in ("harness_only", "stagewise")
+
     def weight_phase_follows(self) -> bool:
         """Does a weight phase come after a harness phase (for budget reserves)?"""
-        return self.trains_weights and self.cfg.end_with_weight_phase and self.kind != "stagewise"
+        return self.cfg.end_with_weight_phase and not self.harness_phase_ends_run()
 
 
 def _slope(ys: list[float]) -> float:
