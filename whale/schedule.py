@@ -35,11 +35,16 @@ problems, measured on rollouts the phase spends anyway: no extra probe, and neit
 selection score that made a candidate look good. Rule, after every phase:
 1. each side runs once first (weight, then harness: the paper's order);
 1b. a harness phase that replaced the harness is followed by a weight phase if the weight side
-   has gained at all in this run: its last gain was measured under the harness that was replaced,
-   and a better harness changes what RSFT can learn from (measured, comparison seed 0: under h0
-   the weight steps accepted 0-1 of 32; under the accepted h4 the next ones accepted 11-27 of 32,
-   while a second harness phase under the same weights, chosen on the stale estimate, spent 192
-   rollouts and found nothing);
+   has gained at all in this run, or has not yet run under a harness the search accepted: its
+   last gain was measured under the harness that was replaced, and a better harness changes what
+   RSFT can learn from (measured, comparison seed 0: under h0 the weight steps accepted 0-1 of
+   32; under the accepted h4 the next ones accepted 11-27 of 32, while a second harness phase
+   under the same weights, chosen on the stale estimate, spent 192 rollouts and found nothing).
+   Why the second condition: round 3's seed 1 accepted 0 of 32 under h0 (a weight gain of
+   exactly 0, so the first condition could not fire), the search replaced h0 (+0.22 fresh), and
+   a second harness phase under the same weights spent 512 rollouts and found nothing. A weight
+   side that has had its turn under a searched harness and still never paid is not forced
+   again (harness-bound domains: one weight phase of retry, then WHH...);
 2. exploration with backoff: once one side has run `gain_explore` phases in a row, the other
    runs next, so a stalled side is retried (its gain may have changed: the two sides are coupled);
    the wait doubles for each of the other side's latest phases in a row that gained nothing (at
@@ -221,7 +226,8 @@ class Schedule:
         latest = {row["phase"]: row["per_rollout"] for row in p.gains}
         if other not in latest:
             return other
-        if last == "harness" and p.gains[-1]["gain"] > 0 and self._run_rate(p, "weight") > 0:
+        if last == "harness" and p.gains[-1]["gain"] > 0 and (
+                self._run_rate(p, "weight") > 0 or not self._weights_ran_under_a_searched_harness(p)):
             return "weight"  # the harness was replaced: the weight side's estimate is of the old one
         streak = 0
         for row in reversed(p.gains):
@@ -244,6 +250,17 @@ class Schedule:
                 break
             empty += 1
         return self.cfg.gain_explore * 2 ** min(empty, 3)
+
+    @staticmethod
+    def _weights_ran_under_a_searched_harness(p: Progress) -> bool:
+        """Has a weight phase run after some harness phase replaced the harness?"""
+        replaced = False
+        for row in p.gains:
+            if row["phase"] == "harness" and row["gain"] > 0:
+                replaced = True
+            elif row["phase"] == "weight" and replaced:
+                return True
+        return False
 
     @staticmethod
     def _run_rate(p: Progress, side: str) -> float:
