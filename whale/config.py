@@ -26,7 +26,8 @@ class ModelConfig(_Strict):
     base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
     max_model_len: int = 4096
-    max_batch_size: int = Field(32, ge=1, description="hf: most sequences generated together; vllm: requests in flight")
+    max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
+                                "benchmarks/decode_width.py); vllm: requests in flight")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")
@@ -92,7 +93,7 @@ class SandboxConfig(_Strict):
 
 
 class RunnerConfig(_Strict):
-    concurrency: int = Field(32, ge=1, description="episodes in flight")
+    concurrency: int = Field(64, ge=1, description="episodes in flight (64 fills the hf engine's default decode width)")
     lockstep: Literal["all", "eval", "never"] = Field(
         "eval", description="batch model calls as a function of the episodes alone, not of timing "
         "(engine/lockstep.py): 'all' rollouts, 'eval' only, or 'never'; bit-exact re-runs need it")

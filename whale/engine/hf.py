@@ -86,7 +86,7 @@ class HFEngine:
         name_or_path: str,
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
-        max_batch_size: int = 32,
+        max_batch_size: int = 64,
         max_model_len: int = 4096,
         prefix_cache_bytes: int = 1 << 30,
     ):
