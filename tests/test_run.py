@@ -199,6 +199,21 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     assert script.status_line("weight_only-s0", other) == "not started"
 
 
+def test_comparison_records_are_not_ignored_by_git():
+    """Records are kept "for committing" (scripts/compare.py --report): until 2026-12-02 the
+    repository's `runs/` ignore pattern also matched docs/results/*/runs/, so none was committed."""
+    import shutil
+    import subprocess
+
+    root = TESTS.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs the git checkout")
+    record = "docs/results/cmp_new/runs/gain-s0/metrics.jsonl"
+    ignored = subprocess.run(["git", "check-ignore", "-q", record], cwd=root).returncode == 0
+    assert not ignored, f"{record} would be ignored by git"
+    assert subprocess.run(["git", "check-ignore", "-q", "runs/gain-s0/metrics.jsonl"], cwd=root).returncode == 0
+
+
 def test_compare_script_keeps_a_record_as_soon_as_its_run_ends(tiny_model_dir, tmp_path, monkeypatch):
     """A session can end during a later run of the batch: each run's record is copied when that
     run ends, not when the whole batch does."""
