@@ -22,7 +22,8 @@ compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing as soon 
 A later session's rerun of the same command counts a run with a finished record made with the
 same config as done (it is not redone) and compares it with the runs it has locally, so a
 comparison spread over many sessions pools all its seeds; a record of another config is another
-experiment and is redone.
+experiment and is redone, and so, with `--code-since COMMIT`, is a record made by code older
+than COMMIT (a fix that changes a method's decisions leaves its config as it was).
 
 The methods differ only in the keys below (schedule.kind and what that kind needs); everything
 else, including the rollout budget, comes from the config. Stagewise spends half the budget on a
@@ -99,7 +100,25 @@ def record_of(name: str, args, quiet: bool = True) -> Path | None:
         same = False
     if not same and not quiet:
         print(f"[redo] {name}: its record ({rec}) was made with another config", flush=True)
+    if same and getattr(args, "code_since", None) and not made_since(rec, args.code_since):
+        same = False
+        if not quiet:
+            print(f"[redo] {name}: its record ({rec}) was made before {args.code_since}", flush=True)
     return rec if same else None
+
+
+def made_since(rec: Path, commit: str) -> bool:
+    """Was the record made by code that contains `commit` (environment.json's whale_commit has it
+    as an ancestor)? Why: a config says what was run, not with which code; a fix to a schedule
+    (2026-12-02: rule 1b of kind gain) leaves the config equal while its old runs no longer count."""
+    try:
+        made = json.loads((rec / "environment.json").read_text()).get("whale_commit")
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not made:
+        return False
+    return subprocess.run(["git", "merge-base", "--is-ancestor", commit, made], cwd=ROOT,
+                          capture_output=True).returncode == 0
 
 
 def keep_records(args) -> list[str]:
@@ -209,8 +228,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="runs/cmp_full")
     ap.add_argument("--set", action="append", default=[], help="override for every run: a.b=c (repeatable)")
-    ap.add_argument("--report", default=None, help="also copy compare.md, its plots and the finished runs' records here (e.g. docs/results/cmp_full); "
+    ap.add_argument("--report", default=None, help="also copy compare.md, its plots and the finished runs' records "
+                    "here (e.g. docs/results/cmp_full); "
                     "runs recorded there count as done")
+    ap.add_argument("--code-since", default=None, metavar="COMMIT",
+                    help="count a record as done only if made by code that contains COMMIT (after a fix that "
+                         "changes what a method does, older records are redone)")
     ap.add_argument("--detach", action="store_true", help="run in the background, detached from this shell")
     ap.add_argument("--status", action="store_true", help="print each run's state and exit")
     args = ap.parse_args(argv)

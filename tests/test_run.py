@@ -197,6 +197,22 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     other = argparse.Namespace(**{**vars(args), "set": ["weight.lr=0.001"]})
     assert script.record_of("weight_only-s0", other) is None
     assert script.status_line("weight_only-s0", other) == "not started"
+    # --code-since: a record made by code older than the given commit is redone (same config)
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=TESTS.parent, capture_output=True, text=True).stdout.strip()
+    parent = subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=TESTS.parent, capture_output=True, text=True).stdout.strip()
+    if not head or not parent:
+        return  # not a git checkout with history
+    env_path = record / "environment.json"
+    env = json.loads(env_path.read_text())
+    for made, counts in ((head, True), (parent, False), (None, False)):
+        env_path.write_text(json.dumps({**env, "whale_commit": made}))
+        since = argparse.Namespace(**{**vars(args), "code_since": head})
+        assert (script.record_of("weight_only-s0", since) is not None) == counts, made
+    since = argparse.Namespace(**{**vars(args), "code_since": parent})
+    env_path.write_text(json.dumps({**env, "whale_commit": head}))
+    assert script.record_of("weight_only-s0", since) == record  # made after the commit: counts
 
 
 def test_comparison_records_are_not_ignored_by_git():
