@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from legacy import legacy_engine  # noqa: E402
-from workloads import ROOT, WORKLOADS, Recorder, episodes_of, fresh, generated, replay_chained, replay_waves  # noqa: E402
+from workloads import (ROOT, WORKLOADS, Recorder, delta, episodes_of, fresh, generated, replay_chained,  # noqa: E402
+                       replay_waves)
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
@@ -76,7 +77,7 @@ def run_workload(name: str, args) -> dict:
             runner_s = time.perf_counter() - t0
             before = fresh(engine)
             seconds, gens = replay_chained(engine, episodes, sampling, min(w, n_eps))
-            st = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
+            st = delta(engine.stats, before)
             row["widths"][w] = {
                 "runner_eps": len(trajs) / runner_s, "raw_s": seconds, "raw_tok_s": generated(gens) / seconds,
                 "prefill_s": st["prefill_seconds"], "decode_s": st["decode_seconds"],
