@@ -239,6 +239,9 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     out = Path(args.out)
     load_config(args.config, args.set)  # a bad config or override fails here, not in the first run
+    if args.code_since and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.code_since}^{{commit}}"],
+                                          cwd=ROOT, capture_output=True).returncode != 0:
+        raise SystemExit(f"--code-since {args.code_since}: not a commit of this repository (every record would be redone)")
     if args.status:
         for seed in args.seeds:
             print("  ".join(f"{m}-s{seed}: {status_line(f'{m}-s{seed}', args)}" for m in args.methods))

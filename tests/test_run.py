@@ -213,6 +213,9 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     since = argparse.Namespace(**{**vars(args), "code_since": parent})
     env_path.write_text(json.dumps({**env, "whale_commit": head}))
     assert script.record_of("weight_only-s0", since) == record  # made after the commit: counts
+    with pytest.raises(SystemExit, match="not a commit"):  # a typo would otherwise redo every record
+        script.main(["--config", str(base), "--out", str(out), "--report", str(report), "--methods", "weight_only",
+                     "--seeds", "0", "--status", "--code-since", "f" * 40])
 
 
 def test_comparison_records_are_not_ignored_by_git():
