@@ -33,23 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from legacy import legacy_engine  # noqa: E402
-from workloads import (ROOT, WORKLOADS, Recorder, delta, episodes_of, fresh, generated, replay_chained,  # noqa: E402
-                       replay_waves)
-from whale.config import load_config  # noqa: E402
-from whale.domains import load_domain  # noqa: E402
-from whale.engine import make_engine  # noqa: E402
-from whale.harness.runner import RolloutRunner, sampling_from_config  # noqa: E402
+from workloads import (WORKLOADS, Recorder, delta, episodes_of, fresh, generated, load_workload,  # noqa: E402
+                       replay_chained, replay_waves)
+from whale.harness.runner import RolloutRunner  # noqa: E402
 
 
 def run_workload(name: str, args) -> dict:
-    config, harness_path, extra = WORKLOADS[name]
     n_eps = args.problems * args.k
-    base = load_config(ROOT / config, extra + [f"domain.splits.test={args.problems}", "runner.lockstep=never"])
-    domain = load_domain(base)
-    problems = domain.load_splits()["test"][: args.problems]
-    harness = (ROOT / harness_path).read_text() if harness_path else domain.base_harness()
-    sampling = sampling_from_config(base)
-    engine = make_engine(base)
+    work = load_workload(name, args.problems)
+    base, domain, problems, harness, sampling, engine = (work.config, work.domain, work.problems, work.harness,
+                                                          work.sampling, work.engine)
     recorder = Recorder(engine)
     runners = {}
     for w in args.widths:

@@ -23,6 +23,7 @@ bandwidth), and peak memory. `--repeat` alternates the variants; ratios are per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -52,6 +53,28 @@ WORKLOADS = {  # config, harness (None: the domain's h0), extra overrides
     "math": ("configs/math_cpu.yaml", None, []),
     "chess": ("configs/chess_cpu.yaml", "examples/harnesses/chess_constrained_choice.py", []),
 }
+
+
+@dataclasses.dataclass
+class Workload:
+    """What every throughput benchmark builds the same way for a workload: its config (free-running
+    batches, the test split cut to `problems`), domain, problems, harness, sampling and hf engine."""
+
+    config: object
+    domain: object
+    problems: list
+    harness: str
+    sampling: object
+    engine: object
+
+
+def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
+    config_path, harness_path, extra = WORKLOADS[name]
+    cfg = load_config(ROOT / config_path, [*extra, *overrides, f"domain.splits.test={problems}", "runner.lockstep=never"])
+    domain = load_domain(cfg)
+    harness = (ROOT / harness_path).read_text() if harness_path else domain.base_harness()
+    return Workload(cfg, domain, domain.load_splits()["test"][:problems], harness, sampling_from_config(cfg),
+                    make_engine(cfg))
 
 
 class Recorder:
@@ -192,17 +215,12 @@ def fresh(engine) -> dict:
 
 
 def run_workload(name, args, limits) -> dict:
-    config, harness_path, extra = WORKLOADS[name]
     n_eps = args.problems * args.k
-    cfg = load_config(ROOT / config, extra + [f"runner.concurrency={min(args.concurrency, n_eps)}",
-                                              f"domain.splits.test={args.problems}", "runner.lockstep=never"])
+    work = load_workload(name, args.problems, [f"runner.concurrency={min(args.concurrency, n_eps)}"])
+    cfg, domain, problems, harness, sampling, engine = (work.config, work.domain, work.problems, work.harness,
+                                                         work.sampling, work.engine)
     cfg_lockstep = cfg.model_copy(deep=True)
     cfg_lockstep.runner.lockstep = "all"
-    domain = load_domain(cfg)
-    problems = domain.load_splits()["test"][: args.problems]
-    harness = (ROOT / harness_path).read_text() if harness_path else domain.base_harness()
-    sampling = sampling_from_config(cfg)
-    engine = make_engine(cfg)
     old = legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
     recorder = Recorder(engine)
