@@ -1,5 +1,6 @@
 """The report's phase attribution: each phase's gain between consecutive evaluations."""
 
+from whale.compare import _mean_sd
 from whale.report import phase_attribution
 
 
@@ -25,3 +26,13 @@ def test_gains_are_attributed_to_the_phases_between_evaluations():
     assert parts[1]["ci95"][0] > 0 and parts[0]["ci95"] == [0.0, 0.0]  # paired over the same problems
     assert [p["budget_rollouts"] for p in parts] == [64, 136, 64]
     assert phase_attribution(rows, "val") == []  # one val evaluation: nothing to attribute
+
+
+def test_compare_table_says_when_a_mean_covers_fewer_runs():
+    """A run without a value (e.g. no test evaluation at its val-best checkpoint) must not make a
+    mean over the others read as a mean over all runs."""
+    assert _mean_sd([0.5, 0.7]) == "0.600 ± 0.141"
+    assert _mean_sd([0.33, None, None]) == "0.330 (1 of 3 runs)"
+    assert _mean_sd([0.2, 0.4, None]) == "0.300 ± 0.141 (2 of 3 runs)"
+    assert _mean_sd([None]) == "-"
+    assert _mean_sd([1536, 1536], digits=0) == "1536 ± 0"

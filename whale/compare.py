@@ -180,11 +180,14 @@ def _last_sources(rows: list[dict]) -> dict[str, float]:
 
 
 def _mean_sd(values: list[Any], digits: int = 3) -> str:
+    """Mean ± sd of the runs that have a value; "(n of N runs)" when some have none (e.g. a run whose
+    val-best checkpoint has no test evaluation), so a mean over fewer runs is not read as all of them."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
         return "-"
     m = sum(xs) / len(xs)
-    if len(xs) == 1:
-        return f"{m:.{digits}f}"
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+    text = f"{m:.{digits}f}"
+    if len(xs) > 1:
+        sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+        text += f" ± {sd:.{digits}f}"
+    return text if len(xs) == len(values) else f"{text} ({len(xs)} of {len(values)} runs)"
