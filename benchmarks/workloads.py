@@ -6,6 +6,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   raw     the same engine replaying exactly the runner's recorded calls, each episode's calls in
           order (call i+1 submitted when call i returned), `concurrency` episodes at once, no
           sandbox and no tools: the ceiling the runner can reach
+  unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
+          rows' decode step as two forwards, as before engine/mixed.py)
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
   legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
   before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
@@ -23,6 +25,7 @@ bandwidth), and peak memory. `--repeat` alternates the variants; ratios are per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -66,6 +69,16 @@ class Workload:
     harness: str
     sampling: object
     engine: object
+
+
+@contextlib.contextmanager
+def unmixed(engine):
+    """The hf engine without mixed forwards (read by the engine thread at every step)."""
+    saved, engine.mixed_forwards = engine.mixed_forwards, False
+    try:
+        yield
+    finally:
+        engine.mixed_forwards = saved
 
 
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
@@ -242,10 +255,16 @@ def run_workload(name, args, limits) -> dict:
         before = fresh(engine)
         raw_s, raw_cpu, raw_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
         raw_stats = delta(engine.stats, before)
+        before = fresh(engine)
+        with unmixed(engine):
+            unmixed_s, unmixed_cpu, unmixed_gens = timed(replay_chained, engine, episodes, sampling,
+                                                         cfg.runner.concurrency)
+        unmixed_stats = delta(engine.stats, before)
         fresh(engine)
         waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
         legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
         same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
+        same_unmixed = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(raw_gens, unmixed_gens))
         fresh(engine)
         t0 = time.perf_counter()
         lockstep_trajs = runner_lockstep.run(harness, problems, samples=args.k, seed=rep)
@@ -263,6 +282,10 @@ def run_workload(name, args, limits) -> dict:
             "runner_over_raw": raw_s / runner_s,
             "lockstep_eps": len(lockstep_trajs) / lockstep_s, "lockstep_over_runner": runner_s / lockstep_s,
             "lockstep_breaks": runner_lockstep.last_lockstep_breaks,
+            "mixed_over_unmixed": (generated(raw_gens) / raw_s) / (generated(unmixed_gens) / unmixed_s),
+            "mixed_over_unmixed_cpu": (unmixed_cpu / generated(unmixed_gens)) / (raw_cpu / generated(raw_gens)),
+            "same_ids_mixed_unmixed": f"{same_unmixed}/{calls}",
+            "mixed_forwards": raw_stats["mixed_forwards"], "unmixed_engine": unmixed_stats,
             "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
             "legacy_tok_s": generated(legacy_gens) / legacy_s,
             "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
@@ -282,7 +305,9 @@ def run_workload(name, args, limits) -> dict:
               f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
               f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
               f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
-              f"same ids as legacy {same}/{calls}"
+              f"same ids as legacy {same}/{calls}; raw mixed/unmixed {row['mixed_over_unmixed']:.2f} "
+              f"(CPU {row['mixed_over_unmixed_cpu']:.2f}, {row['mixed_forwards']} mixed forwards, same ids "
+              f"{row['same_ids_mixed_unmixed']})"
               + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
                  if before_s else ""), flush=True)
     runner.close()
@@ -305,6 +330,7 @@ def summarize(rows, limits) -> dict:
     decode_tps = st["decode_tokens"] / max(st["decode_seconds"], 1e-9)
     live = st["decode_tokens"] / max(st["decode_steps"], 1)
     return {
+        "mixed_over_unmixed": mean("mixed_over_unmixed"),
         "runner_over_raw": mean("runner_over_raw"), "lockstep_over_runner": mean("lockstep_over_runner"), "raw_over_legacy": mean("raw_over_legacy"),
         "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
         "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
@@ -335,7 +361,8 @@ def main() -> None:
     print(f"\npeak RSS {peak:.0f} MiB (both engines and the runner), load now {os.getloadavg()[0]:.1f}")
     for r in results:
         s = r["summary"]
-        print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | engine tok/s vs 1c4ff05: chained "
+        print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | mixed/unmixed forwards "
+              f"{s['mixed_over_unmixed']:.2f} | engine tok/s vs 1c4ff05: chained "
               f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x (CPU "
               f"{s['legacy_over_raw_cpu']:.2f}x) | prefill computed/requested "
               f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "

@@ -383,3 +383,20 @@ def test_k_samples_of_one_position_are_scored_once(tiny_model_dir, plain):
         assert [g[0].text for g in got] == [g[0].text for g in want]
     finally:
         eng.close()
+
+
+def test_mixed_forward_samples_what_separate_forwards_sample(tiny_model_dir):
+    """A join while rows are live runs their decode step inside the newcomers' prefill forward
+    (engine/mixed.py, CPU): the same tokens as a prefill forward followed by a decode step."""
+    reqs = [GenerationRequest(OTHER, seed=i, max_tokens=6 + 3 * i) for i in range(6)] + [
+        GenerationRequest(LONG, seed=9, n=3, max_tokens=14), GenerationRequest(USER, seed=11, max_tokens=24),
+        GenerationRequest(USER + [{"role": "assistant", "content": "The answer is"}], seed=5, max_tokens=9)]
+    got = {}
+    for mixed in (False, True):
+        eng = make(tiny_model_dir, mixed_forwards=mixed)  # 4 rows for 11 samples: most join while others decode
+        try:
+            got[mixed] = [[g.completion_ids for g in gens] for gens in eng.generate(reqs, SAMPLE)]
+            assert (eng.stats["mixed_forwards"] > 0) == mixed
+        finally:
+            eng.close()
+    assert got[True] == got[False]

@@ -28,6 +28,9 @@ class ModelConfig(_Strict):
     max_model_len: int = 4096
     max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
                                 "benchmarks/decode_width.py); vllm: requests in flight")
+    mixed_forwards: bool = Field(True, description="hf on CPU: a join's prefill and the live rows' decode step "
+                                 "in one forward (docs/design.md); false gives the batch shapes, so the bf16 "
+                                 "tokens, of records made before it")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")

@@ -18,7 +18,8 @@ def make_engine(cfg: Config) -> Engine:
         from whale.engine.hf import HFEngine
 
         return HFEngine(str(resolve_model_path(m.name)), dtype=m.dtype, device=m.device,
-                        max_batch_size=m.max_batch_size, max_model_len=m.max_model_len)
+                        max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
+                        mixed_forwards=m.mixed_forwards)
     if m.backend == "vllm":
         from whale.engine.default_model import resolve_model_path
         from whale.engine.vllm import VLLMEngine

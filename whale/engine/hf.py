@@ -89,6 +89,7 @@ class HFEngine:
         max_batch_size: int = 64,
         max_model_len: int = 4096,
         prefix_cache_bytes: int = 1 << 30,
+        mixed_forwards: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,6 +100,7 @@ class HFEngine:
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
+        self.mixed_forwards = mixed_forwards  # CPU: a join's prefill and the decode step in one forward
         self.weights_version = "base"
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
             # torch defaults to the machine's cores; in a container limited to fewer, oversubscription hurts.

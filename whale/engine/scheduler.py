@@ -5,7 +5,9 @@ Requests arrive as jobs from any thread (`enqueue`); each iteration of the threa
    and prefills them, sampling each one's first token;
 2. scores every waiting `choices` request together, across episodes;
 3. runs one decode step of every live row. A row that finishes leaves at once (the last row moves
-   into its place) and its request's future resolves when its last sample is done.
+   into its place) and its request's future resolves when its last sample is done. On CPU, when
+   sequences joined at this step, that decode step runs inside their last prefill forward (one
+   packed forward, engine/mixed.py): the weights are streamed once for both.
 So an episode's next call joins the running batch at the next step instead of waiting for a whole
 static batch to drain.
 
@@ -53,6 +55,7 @@ from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, f
                                sample_rows, shared_with_live, start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
+from whale.engine.mixed import mixed_forward, mixed_inputs
 from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
 from whale.sysmem import release_free_memory
 
@@ -70,7 +73,7 @@ IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the n
 
 def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
-            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0,
+            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
             "max_live_rows": 0, "slab_peak_bytes": 0, "prefix_peak_bytes": 0}
 
@@ -250,14 +253,15 @@ class Scheduler:
             if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
                 self._clear_prefix()
                 self.stamp = stamp
+        decoded = False
         if admitted:
-            self._prefill(admitted, first_row=len(self.rows))
+            decoded = self._prefill(admitted, first_row=len(self.rows), mix=self._can_mix())
             self.rows.extend(sorted(admitted, key=lambda s: s.row))
             self.stats["max_live_rows"] = max(self.stats["max_live_rows"], len(self.rows))
             self._retire()
         if choice_jobs:
             self._score(choice_jobs)
-        if self.rows:
+        if self.rows and not decoded:
             self._decode_step()
             self._retire()
         stats = self.stats
@@ -299,9 +303,17 @@ class Scheduler:
             best = (None, entry, n)
         return best if best[2] >= MIN_SHARED else (None, None, 0)
 
-    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int) -> None:
-        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring)."""
-        pending, done, row = list(items), [], first_row
+    def _can_mix(self) -> bool:
+        """Can this step's decode ride in its last prefill forward: CPU, sdpa, rows live."""
+        return (self.engine.mixed_forwards and SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu"
+                and self.engine.model.config._attn_implementation == "sdpa")
+
+    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int, mix: bool = False) -> bool:
+        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring).
+        With `mix`, the last forward also runs the decode step of every row below its own (the live
+        rows and the sequences prefilled before it): returns whether it did, i.e. the step's decode
+        is done."""
+        pending, done, row, decoded = list(items), [], first_row, False
         while pending:
             this_round: list[tuple[Any, tuple]] = []
             later = []
@@ -319,7 +331,7 @@ class Scheduler:
             for x in this_round:
                 (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
             chunks = ([ready] if ready else []) + self._chunks(rest)
-            for chunk in chunks:
+            for i, chunk in enumerate(chunks):
                 for item, source in chunk:
                     item.row, row = row, row + 1
                 self.slab.reserve(row, max(len(it.prompt) + tree_len(it) + 1 for it, _ in chunk))
@@ -337,10 +349,23 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
+                elif mix and not later and i == len(chunks) - 1 and self._mixable(done):
+                    self._forward_mixed(self.rows + sorted(done, key=lambda s: s.row), [item for item, _ in chunk])
+                    decoded = True
                 else:
                     self._forward_chunk([item for item, _ in chunk])
                 done.extend(item for item, _ in chunk)
             pending = later
+        return decoded
+
+    def _mixable(self, done: list[Seq]) -> bool:
+        """The rows below the last forward can decode in it: some are live, none has finished (a
+        first token that was EOS leaves at the next retire; it must not decode again), and the slab
+        decode attention would serve them (as in `_decode_step`)."""
+        decode = self.rows + done
+        if not decode or any(s.finish is not None for s in done):
+            return False
+        return self.slab.cols <= 2 * (max(s.kv_len for s in decode) + 1)
 
     def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
         """Split `items` (sorted longest first) into forwards within the token and logits budgets."""
@@ -376,6 +401,33 @@ class Scheduler:
             if isinstance(it, ChoiceRow):
                 choice_scores(it, logits[j])
         self.stats["prefill_seconds"] += time.perf_counter() - t0
+
+    def _forward_mixed(self, decode: list[Seq], chunk: list[Seq]) -> None:
+        """One packed forward: the decode step of `decode` (slab rows 0..n-1) and the prefill of
+        `chunk` (the rows after them), whatever its padding would have been (engine/mixed.py)."""
+        dev = self.engine.device
+        self.slab.reserve(chunk[-1].row + 1, max(s.kv_len for s in decode) + 1)
+        ids, pos, rows, cols, keep, plan = mixed_inputs(decode, chunk, self.slab.cols, dev)
+        for it in chunk:
+            self.stats["prefill_tokens_requested"] += len(it.prompt)
+            self.stats["prefill_tokens_computed"] += len(it.prompt) - it.start
+        self.stats["prefill_tokens_padded"] += ids.shape[1] - len(decode)
+        self.stats["prefill_forwards"] += 1
+        self.stats["mixed_forwards"] += 1
+        joining = sum(1 for s in decode if s.kv_len < len(s.prompt))
+        view = self.slab.view(0, chunk[-1].row + 1, rows, cols, self.slab.cols)
+        t0 = time.perf_counter()
+        with mixed_forward(self.engine.model, plan):
+            logits = self._forward(view, input_ids=ids, attention_mask=plan.decode_mask[:1, :, :, :1],
+                                   position_ids=pos, logits_to_keep=keep)
+        for s in decode:
+            s.kv_len += 1
+        for s in chunk:
+            s.kv_len = len(s.prompt)
+        self._sample(decode + chunk, logits[0])
+        self.stats["prefill_seconds"] += time.perf_counter() - t0  # a mixed forward counts as prefill time
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(decode) - joining
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """The 4D mask as the attention implementation wants it: bool for sdpa, additive otherwise."""
