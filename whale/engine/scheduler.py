@@ -304,7 +304,8 @@ class Scheduler:
         return best if best[2] >= MIN_SHARED else (None, None, 0)
 
     def _can_mix(self) -> bool:
-        """Can this step's decode ride in its last prefill forward: CPU, sdpa, rows live."""
+        """May this step's decode ride in a prefill forward: the option on, CPU, sdpa (`_mixable`
+        then checks the rows)."""
         return (self.engine.mixed_forwards and SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu"
                 and self.engine.model.config._attn_implementation == "sdpa")
 
