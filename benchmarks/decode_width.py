@@ -40,9 +40,7 @@ from whale.harness.runner import RolloutRunner  # noqa: E402
 
 def run_workload(name: str, args) -> dict:
     n_eps = args.problems * args.k
-    work = load_workload(name, args.problems)
-    base, domain, problems, harness, sampling, engine = (work.config, work.domain, work.problems, work.harness,
-                                                          work.sampling, work.engine)
+    base, domain, problems, harness, sampling, engine = load_workload(name, args.problems)
     recorder = Recorder(engine)
     runners = {}
     for w in args.widths:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import queue
@@ -36,6 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,8 +58,7 @@ WORKLOADS = {  # config, harness (None: the domain's h0), extra overrides
 }
 
 
-@dataclasses.dataclass
-class Workload:
+class Workload(NamedTuple):
     """What every throughput benchmark builds the same way for a workload: its config (free-running
     batches, the test split cut to `problems`), domain, problems, harness, sampling and hf engine."""
 
@@ -229,9 +228,8 @@ def fresh(engine) -> dict:
 
 def run_workload(name, args, limits) -> dict:
     n_eps = args.problems * args.k
-    work = load_workload(name, args.problems, [f"runner.concurrency={min(args.concurrency, n_eps)}"])
-    cfg, domain, problems, harness, sampling, engine = (work.config, work.domain, work.problems, work.harness,
-                                                         work.sampling, work.engine)
+    cfg, domain, problems, harness, sampling, engine = load_workload(
+        name, args.problems, [f"runner.concurrency={min(args.concurrency, n_eps)}"])
     cfg_lockstep = cfg.model_copy(deep=True)
     cfg_lockstep.runner.lockstep = "all"
     old = legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
