@@ -235,7 +235,7 @@ def test_submit_from_many_threads(engine, plain):
 def test_engine_failure_fails_the_calls_in_flight_not_the_engine(tiny_model_dir, monkeypatch):
     eng = make(tiny_model_dir)
     try:
-        real = eng.scheduler._forward
+        real = eng.scheduler.forwards.model_forward
         calls = {"n": 0}
 
         def flaky(*args, **kwargs):
@@ -244,7 +244,7 @@ def test_engine_failure_fails_the_calls_in_flight_not_the_engine(tiny_model_dir,
                 raise RuntimeError("out of memory")
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(eng.scheduler, "_forward", flaky)
+        monkeypatch.setattr(eng.scheduler.forwards, "model_forward", flaky)
         [g] = eng.generate([GenerationRequest(USER, seed=0, max_tokens=5)], SAMPLE)[0]
         assert g.finish_reason == "error" and "out of memory" in g.text
         after = eng.generate([GenerationRequest(USER, seed=0, max_tokens=5)], SAMPLE)[0][0]

@@ -37,6 +37,20 @@ def slab_decode_attention(module, query, key, value, attention_mask, scaling=Non
 AttentionInterface.register(NAME, slab_decode_attention)
 
 
+def slab_decode_mask(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
+    """The additive fp32 mask [rows, 1, 1, cols] of decode tokens at positions `kv_len`: row i sees
+    its columns 0..kv_len[i] (its own token included) and none of the stale ones after."""
+    rows = kv_len.shape[0]
+    allowed = (torch.arange(cols) <= kv_len.unsqueeze(-1)).view(rows, 1, 1, cols)
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+
+
+def slab_decode_pays(slab_cols: int, width: int) -> bool:
+    """Whether reading all `slab_cols` columns (contiguous) beats sdpa over the `width` columns the
+    live rows use: yes unless most of the columns are beyond every live row."""
+    return slab_cols <= 2 * width
+
+
 @contextmanager
 def decode_attention(model, enabled: bool = True):
     """Use `slab_decode_attention` for the forwards inside, in place of sdpa; yields whether it does."""

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from whale.engine.attention import slab_decode_attention
+from whale.engine.attention import slab_decode_attention, slab_decode_mask
 from whale.engine.jobs import Seq
 
 NAME = "whale_mixed"
@@ -85,9 +85,7 @@ def mixed_inputs(decode: list[Seq], newcomers: list[Seq], decode_cols: int, devi
         mask[j, 0, :pad, 0] = True  # a query that sees nothing would give NaN
         keep.append(at + length - 1)
         at += length
-    decode_mask = torch.zeros((n, 1, 1, decode_cols)).masked_fill_(
-        ~(torch.arange(decode_cols) <= kv.unsqueeze(-1)).view(n, 1, 1, decode_cols), float("-inf"))
-    plan = MixedPlan(n, decode_cols, decode_mask.to(device), first_row, gather.to(device), valid.to(device),
+    plan = MixedPlan(n, decode_cols, slab_decode_mask(kv, decode_cols).to(device), first_row, gather.to(device), valid.to(device),
                      prefill_cols, mask.to(device))
     as_batch = [t.unsqueeze(0).to(device) for t in (ids, pos, rows, pos)]
     return (*as_batch, torch.tensor(keep, device=device), plan)

@@ -29,6 +29,9 @@ side by side: each choice token attends to the prompt and to its own earlier tok
 is exactly what a forward of prompt + choice alone gives, for all choices in one forward and for
 many requests in the same forward. Requests with the same prompt and choices are scored once.
 
+The forwards themselves (inputs over the slab, the model call, sampling, the stats) are
+engine/forwards.py: this module decides what runs, that one runs it.
+
 Decode attention (CPU): whale/engine/attention.py, two matmuls over the live rows' contiguous slab
 block, which beat sdpa's flash kernel on the strided view by a quarter to a third per step at 24-32
 rows; sdpa still serves prefill, GPUs and a slab that is mostly empty columns.
@@ -50,13 +53,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from whale.engine.attention import decode_attention
+from whale.engine.forwards import Forwards
 from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, fail_job, resolve_job,
-                               sample_rows, shared_with_live, start_job, weights_stamp)
+                               shared_with_live, start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
-from whale.engine.mixed import mixed_forward, mixed_inputs
-from whale.engine.prefill import choice_scores, plan_chunks, prefill_inputs, prompt_cols, suffix_len, tree_len
+from whale.engine.prefill import plan_chunks, prompt_cols, suffix_len, tree_len
 from whale.sysmem import release_free_memory
 
 if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
@@ -67,7 +69,6 @@ PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
 FORWARD_TOKENS = 32  # a forward's fixed cost (weights read, Python) in tokens of compute, on a CPU
 CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
 CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
-SLAB_DECODE_ATTENTION = True  # decode with whale.engine.attention on CPU (sdpa when False)
 IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
 
 
@@ -97,6 +98,7 @@ class Scheduler:
         self.gates: list[Lockstep] = []  # open locksteps (engine/lockstep.py)
         self.step_no = 0  # the engine's clock under a lockstep: one per step, jumps over idle steps
         self.stats = _new_stats()
+        self.forwards = Forwards(engine, self.slab, self.stats)  # runs the model; see engine/forwards.py
 
     # ------------------------------------------------------------------ other threads
 
@@ -255,14 +257,14 @@ class Scheduler:
                 self.stamp = stamp
         decoded = False
         if admitted:
-            decoded = self._prefill(admitted, first_row=len(self.rows), mix=self._can_mix())
+            decoded = self._prefill(admitted, first_row=len(self.rows), mix=self.forwards.can_mix())
             self.rows.extend(sorted(admitted, key=lambda s: s.row))
             self.stats["max_live_rows"] = max(self.stats["max_live_rows"], len(self.rows))
             self._retire()
         if choice_jobs:
             self._score(choice_jobs)
         if self.rows and not decoded:
-            self._decode_step()
+            self.forwards.decode(self.rows)
             self._retire()
         stats = self.stats
         stats["slab_peak_bytes"] = max(stats["slab_peak_bytes"], self.slab.nbytes)
@@ -302,12 +304,6 @@ class Scheduler:
         if n > best[2]:
             best = (None, entry, n)
         return best if best[2] >= MIN_SHARED else (None, None, 0)
-
-    def _can_mix(self) -> bool:
-        """May this step's decode ride in a prefill forward: the option on, CPU, sdpa (`_mixable`
-        then checks the rows)."""
-        return (self.engine.mixed_forwards and SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu"
-                and self.engine.model.config._attn_implementation == "sdpa")
 
     def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int, mix: bool = False) -> bool:
         """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring).
@@ -350,23 +346,14 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
-                elif mix and not later and i == len(chunks) - 1 and self._mixable(done):
-                    self._forward_mixed(self.rows + sorted(done, key=lambda s: s.row), [item for item, _ in chunk])
+                elif mix and not later and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
+                    self.forwards.mixed(self.rows + done, [item for item, _ in chunk])  # done: rows in order
                     decoded = True
                 else:
-                    self._forward_chunk([item for item, _ in chunk])
+                    self.forwards.prefill([item for item, _ in chunk])
                 done.extend(item for item, _ in chunk)
             pending = later
         return decoded
-
-    def _mixable(self, done: list[Seq]) -> bool:
-        """The rows below the last forward can decode in it: some are live, none has finished (a
-        first token that was EOS leaves at the next retire; it must not decode again), and the slab
-        decode attention would serve them (as in `_decode_step`)."""
-        decode = self.rows + done
-        if not decode or any(s.finish is not None for s in done):
-            return False
-        return self.slab.cols <= 2 * (max(s.kv_len for s in decode) + 1)
 
     def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
         """Split `items` (sorted longest first) into forwards within the token and logits budgets."""
@@ -374,81 +361,6 @@ class Scheduler:
                             [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
                             PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
         return [items[i:j] for i, j in spans]
-
-    def _forward_chunk(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
-        """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
-        dev = self.engine.device
-        m = len(chunk)
-        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.engine.pad_id)
-        width, cols_needed = ids.shape[1], mask.shape[-1]
-        for it in chunk:
-            self.stats["prefill_tokens_requested"] += len(it.prompt)
-            self.stats["prefill_tokens_computed"] += len(it.prompt) - it.start
-            self.stats["choice_tokens"] += tree_len(it)
-        self.stats["prefill_tokens_padded"] += m * width
-        self.stats["prefill_forwards"] += 1
-        first = chunk[0].row
-        rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
-        view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
-        t0 = time.perf_counter()
-        logits = self._forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
-                               position_ids=pos.to(dev), logits_to_keep=keep)
-        seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]
-        if seqs:
-            for _, seq in seqs:
-                seq.kv_len = len(seq.prompt)
-            self._sample([s for _, s in seqs], logits[[j for j, _ in seqs], -1])
-        for j, it in enumerate(chunk):
-            if isinstance(it, ChoiceRow):
-                choice_scores(it, logits[j])
-        self.stats["prefill_seconds"] += time.perf_counter() - t0
-
-    def _forward_mixed(self, decode: list[Seq], chunk: list[Seq]) -> None:
-        """One packed forward: the decode step of `decode` (slab rows 0..n-1) and the prefill of
-        `chunk` (the rows after them), whatever its padding would have been (engine/mixed.py)."""
-        dev = self.engine.device
-        self.slab.reserve(chunk[-1].row + 1, max(s.kv_len for s in decode) + 1)
-        ids, pos, rows, cols, keep, plan = mixed_inputs(decode, chunk, self.slab.cols, dev)
-        for it in chunk:
-            self.stats["prefill_tokens_requested"] += len(it.prompt)
-            self.stats["prefill_tokens_computed"] += len(it.prompt) - it.start
-        self.stats["prefill_tokens_padded"] += ids.shape[1] - len(decode)
-        self.stats["prefill_forwards"] += 1
-        self.stats["mixed_forwards"] += 1
-        joining = sum(1 for s in decode if s.kv_len < len(s.prompt))
-        view = self.slab.view(0, chunk[-1].row + 1, rows, cols, self.slab.cols)
-        t0 = time.perf_counter()
-        with mixed_forward(self.engine.model, plan):
-            logits = self._forward(view, input_ids=ids, attention_mask=plan.decode_mask[:1, :, :, :1],
-                                   position_ids=pos, logits_to_keep=keep)
-        for s in decode:
-            s.kv_len += 1
-        for s in chunk:
-            s.kv_len = len(s.prompt)
-        self._sample(decode + chunk, logits[0])
-        self.stats["prefill_seconds"] += time.perf_counter() - t0  # a mixed forward counts as prefill time
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += len(decode) - joining
-
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """The 4D mask as the attention implementation wants it: bool for sdpa, additive otherwise."""
-        if self.engine.model.config._attn_implementation == "sdpa":
-            return allowed
-        dtype = self.engine.dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)
-
-    def _forward(self, cache, **kwargs) -> torch.Tensor:
-        model = self.engine.model
-        training = model.training
-        if training:  # the trainer may have left it in train mode: sample without dropout
-            model.eval()
-        try:
-            out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)
-        finally:
-            if training:
-                model.train()
-        return out.logits
 
     # ------------------------------------------------------------------ choices
 
@@ -481,48 +393,6 @@ class Scheduler:
                 picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
                 job.results = [self.engine.choice_generation(job, c) for c in picks]
             resolve_job(job)
-
-    # ------------------------------------------------------------------ decode
-
-    def _decode_step(self) -> None:
-        dev = self.engine.device
-        n = len(self.rows)
-        kv = torch.tensor([s.kv_len for s in self.rows])
-        self.slab.reserve(n, int(kv.max()) + 1)
-        tokens = torch.tensor([[s.next_token()] for s in self.rows], device=dev)
-        joining = sum(1 for s in self.rows if s.kv_len < len(s.prompt))  # their last prompt token
-        cols = kv.unsqueeze(-1).to(dev)
-        t0 = time.perf_counter()
-        width = int(kv.max()) + 1
-        # slab attention reads every column of the live rows (contiguous) under an additive mask:
-        # worth it unless most of the columns are beyond every live row
-        use_slab = SLAB_DECODE_ATTENTION and dev.type == "cpu" and self.slab.cols <= 2 * width
-        with decode_attention(self.engine.model, enabled=use_slab) as slab:
-            width = self.slab.cols if slab else width
-            allowed = (torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width).to(dev)
-            mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")) if slab \
-                else self._mask(allowed)
-            view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
-            logits = self._forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
-        for s in self.rows:
-            s.kv_len += 1
-        self._sample(self.rows, logits[:, -1])
-        self.stats["decode_seconds"] += time.perf_counter() - t0
-        self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += n - joining
-
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
-        tokens = sample_rows(seqs, logits)
-        eos = self.engine.eos_ids
-        for s, tok in zip(seqs, tokens):
-            s.ids.append(tok)
-            if tok in eos:
-                s.finish = "stop"
-            elif s.job.stop and self.engine.hit_stop(s.ids, s.job.stop, s.stop_window):
-                s.finish = "stop"
-            elif len(s.ids) >= s.job.max_new:
-                s.finish = "length"
 
     def _retire(self) -> None:
         """Resolve finished sequences, keep their KV in the prefix cache, compact the live rows."""
