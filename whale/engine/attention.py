@@ -37,11 +37,15 @@ def slab_decode_attention(module, query, key, value, attention_mask, scaling=Non
 AttentionInterface.register(NAME, slab_decode_attention)
 
 
+def decode_allowed(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
+    """Which of `cols` columns each decode token (at position kv_len[i]) attends, as a boolean
+    [rows, 1, 1, cols]: its columns 0..kv_len[i] (its own token included), none of the stale ones."""
+    return (torch.arange(cols) <= kv_len.unsqueeze(-1)).view(kv_len.shape[0], 1, 1, cols)
+
+
 def slab_decode_mask(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
-    """The additive fp32 mask [rows, 1, 1, cols] of decode tokens at positions `kv_len`: row i sees
-    its columns 0..kv_len[i] (its own token included) and none of the stale ones after."""
-    rows = kv_len.shape[0]
-    allowed = (torch.arange(cols) <= kv_len.unsqueeze(-1)).view(rows, 1, 1, cols)
+    """`decode_allowed` as the additive fp32 mask `slab_decode_attention` adds to its scores."""
+    allowed = decode_allowed(kv_len, cols)
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
 
 

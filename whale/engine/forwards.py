@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whale.engine.attention import decode_attention, slab_decode_mask, slab_decode_pays
+from whale.engine.attention import decode_allowed, decode_attention, slab_decode_mask, slab_decode_pays
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
 from whale.engine.mixed import mixed_forward, mixed_inputs
@@ -123,7 +123,7 @@ class Forwards:
             if slab:
                 width, mask = self.slab.cols, slab_decode_mask(kv, self.slab.cols).to(dev)
             else:
-                mask = self._mask((torch.arange(width) <= kv.unsqueeze(-1)).view(n, 1, 1, width).to(dev))
+                mask = self._mask(decode_allowed(kv, width).to(dev))
             view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
             logits = self.model_forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
         for s in rows:
