@@ -260,3 +260,43 @@ def test_compare_script_keeps_a_record_as_soon_as_its_run_ends(tiny_model_dir, t
     state = json.loads(state_path.read_text())
     state_path.write_text(json.dumps({**state, "finished": None, "pending_eval": {"tag": "w4", "last": True}}))
     assert state["phase"] == "done" and script.run_state(out / "weight_only-s0") == "partial"
+
+
+def test_val_best_pair_is_measured_on_test_at_the_end(tiny_model_dir, tmp_path, monkeypatch):
+    """The val-selected column needs a test number at the val-best (harness, weights). When val
+    peaks at an intermediate evaluation that measures val only, the run ends by restoring those
+    weights and evaluating test under them (event eval_selected); the final-vs-final numbers stay."""
+    import dataclasses
+
+    import whale.run as run_module
+
+    real, val_calls = run_module.evaluate, []
+
+    def evaluate_with_a_val_peak(*args, split="test", **kw):
+        result, trajs = real(*args, split=split, **kw)
+        if split == "val":
+            val_calls.append(1)
+            if len(val_calls) == 3:  # the evaluation after weight step 2 becomes the val-best
+                result = dataclasses.replace(result, mean_at_k=2.0)
+        return result, trajs
+
+    monkeypatch.setattr(run_module, "evaluate", evaluate_with_a_val_peak)
+    cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "eval.every_steps": 1,
+                                         "eval.intermediate_splits": "[val]"})
+    run_dir = run_experiment(cfg, out=tmp_path / "wo")
+    state = json.loads((run_dir / "state.json").read_text())
+    best = state["val_best"]
+    assert best["mean_at_k"] == 2.0 and best["weights_version"] != state["weights_version"]
+    rows = read_metrics(run_dir)
+    selected = [r for r in rows if r.get("event") == "eval_selected"]
+    assert [(r["split"], r["harness"], r["weights_version"]) for r in selected] == \
+        [("test", best["harness_id"], best["weights_version"])]
+    traces = [json.loads(line) for line in (run_dir / "evals" / "eval-val_best-test.jsonl").open()]
+    assert len(traces) == 4 * 2 and {t["weights_version"] for t in traces} == {best["weights_version"]}
+    s = load_summary(run_dir)
+    final_test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test"][-1]
+    assert s["val_selected"] == selected[0]["mean_at_k"] and s["final"] == final_test["mean_at_k"]
+    assert (run_dir / "weights" / best["weights_version"]).exists()
+    # a resumed finished run does not measure it again
+    run_experiment(None, resume=run_dir)
+    assert len([r for r in read_metrics(run_dir) if r.get("event") == "eval_selected"]) == 1

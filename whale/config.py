@@ -217,6 +217,8 @@ class EvalConfig(_Strict):
     intermediate_splits: list[str] | None = Field(None, description="splits evaluated between the initial and "
                                                   "final evaluations (default: splits), e.g. [val] to attribute "
                                                   "gains to phases cheaply and keep test for start and end")
+    test_at_val_best: bool = Field(True, description="at the end of a run, evaluate the val-best (harness, weights) on "
+                                   "the other eval splits when no evaluation measured them (the val-selected column)")
 
 
 class ComputeConfig(_Strict):

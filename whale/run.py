@@ -42,7 +42,7 @@ from whale.search.archive import Archive
 from whale.search.loop import HarnessSearch
 from whale.search.proposers import make_proposer
 from whale.search.validate import static_check
-from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary
+from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary, read_metrics
 from whale.weights.patience import WeightPatience
 from whale.weights.rsft import RSFT, ProblemStream
 from whale.weights.from_disk import training_model
@@ -235,6 +235,7 @@ class Experiment:
                 self.harness_phase()
             else:
                 raise ValueError(f"corrupt state.json: unknown phase {st['phase']!r}")
+        self.evaluate_val_best()
         self.unit = "end"
         self.log("run_end", seconds=round(self.run_dir.elapsed(), 1))
         st["finished"] = True
@@ -278,18 +279,9 @@ class Experiment:
             if unit in st["evals_done"] or (tag != "initial" and last.get(split) == [hid, version]):
                 continue  # done, or the split's last evaluation measured this very (harness, weights) pair
                 # with the same seeds (a phase that changed nothing): it would only repeat that result
-            self.unit = unit
-            problems = self.splits[split][: self.cfg.eval.limit or None]
-            result, trajs = evaluate(self.runner, self.harness_source(hid), problems, self.cfg.eval.k, split=split,
-                                     harness_id=hid, seed=eval_seed(self.cfg.seed, split),
-                                     progress=f"eval {split} ({hid}, {version})",
-                                     traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
-            self.run_dir.count_trajectories(unit, "eval", trajs)
-            summary = {k: v for k, v in result.to_json().items() if k not in ("split", "harness_id", "weights_version")}
-            self.log("eval", split=split, tag=tag, phase=pending["phase"], cycle=pending["cycle"], **summary,
-                     per_problem=result.per_problem)
-            console.print(f"  {unit}: mean@{result.k} {result.mean_at_k:.3f} "
-                          f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}] pass@{result.k} {result.pass_at_k:.3f}")
+            result = self._evaluate_split(unit, split, hid, version)
+            self.log("eval", split=split, tag=tag, phase=pending["phase"], cycle=pending["cycle"],
+                     **self._eval_row(result))
             if split == "val":
                 best = st.get("val_best")
                 if best is None or result.mean_at_k > best["mean_at_k"]:
@@ -299,6 +291,56 @@ class Experiment:
             st["last_eval_pair"] = last[split] = [hid, version]
             self.save()
             self.prune_weights()  # a new val-best may free the old one
+
+    def _evaluate_split(self, unit: str, split: str, hid: str, version: str):
+        """One evaluation unit: harness `hid` under the weights the engine serves (`version`)."""
+        self.unit = unit
+        problems = self.splits[split][: self.cfg.eval.limit or None]
+        result, trajs = evaluate(self.runner, self.harness_source(hid), problems, self.cfg.eval.k, split=split,
+                                 harness_id=hid, seed=eval_seed(self.cfg.seed, split),
+                                 progress=f"eval {split} ({hid}, {version})",
+                                 traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
+        self.run_dir.count_trajectories(unit, "eval", trajs)
+        console.print(f"  {unit}: mean@{result.k} {result.mean_at_k:.3f} "
+                      f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}] pass@{result.k} {result.pass_at_k:.3f}")
+        return result
+
+    @staticmethod
+    def _eval_row(result) -> dict[str, Any]:
+        summary = {k: v for k, v in result.to_json().items() if k not in ("split", "harness_id", "weights_version")}
+        return {**summary, "per_problem": result.per_problem}
+
+    def evaluate_val_best(self) -> None:
+        """Model selection by validation, measured: the val-best (harness, weights) of the run on the
+        eval splits other than val, when no evaluation of the run measured that pair there (the
+        final one measures the pair the run ends on; intermediate ones may skip test). Logged as
+        event `eval_selected`, which curves, attributions and the final-vs-final differences do not
+        read, so they stay as they were; `load_summary` reads it for the val-selected column. Why:
+        without it a run whose val peaked between phase ends has no val-selected test number.
+        The val-best weights are on disk (`weights_needed` keeps them); base weights are not, so a
+        val-best at base under trained weights is measured only if a base evaluation measured it."""
+        st, best = self.state, self.state.get("val_best")
+        if not self.cfg.eval.test_at_val_best or not best:
+            return
+        hid, version = best["harness_id"], best["weights_version"]
+        measured = {(r.get("split"), r.get("harness"), r.get("weights_version"))
+                    for r in read_metrics(self.run_dir.path) if r.get("event") in ("eval", "eval_selected")}
+        todo = [s for s in self.cfg.eval.splits if s != "val" and (s, hid, version) not in measured
+                and f"eval-val_best-{s}" not in st["evals_done"]]
+        if not todo:
+            return
+        if version != self.engine.weights_version:
+            if version == "base":
+                console.print(f"[yellow]val-best[/] ({hid}, base) not measured on {todo}: base weights are not kept")
+                return
+            self._restore_weights(version)
+        for split in todo:
+            unit = f"eval-val_best-{split}"
+            result = self._evaluate_split(unit, split, hid, version)
+            self.log("eval_selected", split=split, tag="val_best", harness=hid, weights_version=version,
+                     selected_by=best["unit"], **self._eval_row(result))
+            st["evals_done"].append(unit)
+            self.save()
 
     # ------------------------------------------------------------------ weights on disk
     def _ensure_trainer(self) -> Trainer:

@@ -320,6 +320,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     evals = [r for r in rows if r.get("event") == "eval"]
     test = [r for r in evals if r.get("split") == "test"]
     val = [r for r in evals if r.get("split") == "val"]
+    selected = [r for r in rows if r.get("event") == "eval_selected" and r.get("split") == "test"]
     out: dict[str, Any] = {"initial": None, "final": None, "best": None, "val_selected": None}
     if test:
         out["initial"] = test[0]["mean_at_k"]
@@ -328,7 +329,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     if val and test:
         best_val = max(val, key=lambda r: r["mean_at_k"])
         pair = (best_val.get("harness"), best_val.get("weights_version"))  # test may be measured at other tags
-        same = [r for r in test if r.get("tag") == best_val.get("tag")
+        same = [r for r in test + selected if r.get("tag") == best_val.get("tag")
                 or (None not in pair and (r.get("harness"), r.get("weights_version")) == pair)]
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
