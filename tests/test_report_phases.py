@@ -36,3 +36,29 @@ def test_compare_table_says_when_a_mean_covers_fewer_runs():
     assert _mean_sd([0.2, 0.4, None]) == "0.300 ± 0.141 (2 of 3 runs)"
     assert _mean_sd([None]) == "-"
     assert _mean_sd([1536, 1536], digits=0) == "1536 ± 0"
+
+
+def test_a_phase_that_changed_nothing_does_not_make_an_interval_mixed():
+    """A weight phase that trained nothing (every step accepted nothing: no new version) is
+    followed by no evaluation (same pair), so the next interval spans it and the harness phase
+    after it; the gain belongs to the harness phase. Likewise a harness phase that kept its
+    incoming harness leaves the interval to the weight phase around it."""
+    n = 20
+    rows = [ev("val", "initial", [0.0] * n, 0),
+            {"event": "weight_step", "harness": "h0", "weights_version": None},
+            {"event": "weight_step", "harness": "h0", "weights_version": None},
+            {"event": "rescore", "harness": "h0"}, {"event": "iteration_end", "harness": "h0"},
+            {"event": "harness_accepted", "harness": "h5", "accepted": "h5"},
+            ev("val", "c0-h", [1.0] * 5 + [0.0] * 15, 100),
+            {"event": "weight_step", "harness": "h5", "weights_version": "w2"},
+            {"event": "rescore", "harness": "h5"}, {"event": "iteration_end", "harness": "h5"},
+            {"event": "harness_accepted", "harness": "h5", "accepted": "h5"},
+            {"event": "weight_step", "harness": "h5", "weights_version": "w3"},
+            ev("val", "w4", [1.0] * 10 + [0.0] * 10, 200),
+            {"event": "weight_step", "harness": "h5", "weights_version": "w4"},
+            {"event": "rescore", "harness": "h5"}, {"event": "iteration_end", "harness": "h5"},
+            {"event": "harness_accepted", "harness": "h7", "accepted": "h7"},
+            ev("val", "c2-h", [1.0] * 12 + [0.0] * 8, 300)]
+    parts = phase_attribution(rows, "val")
+    assert [(p["phases"], p["idle"]) for p in parts] == [("H1", ["W1"]), ("W2+W3", ["H2"]), ("W3+H3", [])]  # W3 goes on past w4
+    assert [round(p["gain"], 6) for p in parts] == [0.25, 0.25, 0.1]

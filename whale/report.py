@@ -137,9 +137,19 @@ def _lineage_plot(run_dir: Path, accepted: list[str], path: Path) -> bool:
 def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
     """Which phase bought how much: the change in `split` mean@k between consecutive evaluations,
     labelled by the phases run in between (W1 = first weight phase, H1 = first harness phase),
-    with a paired bootstrap interval over the problems (both evaluations use the same problems)."""
+    with a paired bootstrap interval over the problems (both evaluations use the same problems).
+
+    A phase that left the (harness, weights) pair as it was (a weight phase whose steps accepted
+    nothing to train on, a harness phase that kept its incoming harness) bought nothing, and the
+    run skips the evaluation after it (same pair, same seeds), so the next interval also spans
+    the phase after it; such a phase is listed under `idle`, not in `phases`, so that interval is
+    attributed to the phase that did change the pair instead of reading as a mixed one. Whether a
+    phase changed anything is read from its rows (weight_step's new version; harness_accepted's
+    id against the incoming harness); a phase whose rows do not say counts as having changed."""
     out: list[dict[str, Any]] = []
     prev, phases, counts, last_kind = None, [], {"W": 0, "H": 0}, None
+    idle: set[str] = set()
+    incoming: dict[str, Any] = {}
     for r in rows:
         ev = r.get("event")
         kind = "W" if ev == "weight_step" else "H" if ev in ("rescore", "iteration_end") else None
@@ -150,11 +160,22 @@ def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
             label = f"{kind}{counts[kind]}"
             if label not in phases:
                 phases.append(label)
+                if kind == "W" and "weights_version" in r:
+                    idle.add(label)  # until one of its steps trained
+                incoming.setdefault(label, r.get("harness"))
+            if kind == "W" and r.get("weights_version", "?"):
+                idle.discard(label)  # a step that trained (or a row that does not say)
+        if ev == "harness_accepted" and last_kind == "H":
+            label = f"H{counts['H']}"
+            if r.get("accepted") is not None and r.get("accepted") == incoming.get(label):
+                idle.add(label)  # it kept its incoming harness
         if ev != "eval" or r.get("split") != split:
             continue
         if prev is not None and prev.get("per_problem") and r.get("per_problem"):
             point, lo, hi = paired_bootstrap([r["per_problem"]], [prev["per_problem"]])
-            out.append({"phases": "+".join(phases) or "-", "from": prev.get("tag"), "to": r.get("tag"),
+            active = [p for p in phases if p not in idle]
+            out.append({"phases": "+".join(active or phases) or "-", "idle": [p for p in phases if p in idle] if active else [],
+                        "from": prev.get("tag"), "to": r.get("tag"),
                         "before": prev["mean_at_k"], "after": r["mean_at_k"], "gain": point, "ci95": [lo, hi],
                         "budget_rollouts": x_value(r, "rollouts") - x_value(prev, "rollouts")})
         prev, phases = r, []
@@ -198,7 +219,8 @@ def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], 
              "|---|---|---|---|---|---|---|"]
     for split, items in parts.items():
         for p in items:
-            lines.append(f"| {split} | {p['phases']} | {p['from']} → {p['to']} | {p['before']:.3f} → {p['after']:.3f} | "
+            ran = p["phases"] + "".join(f" ({q} changed nothing)" for q in p.get("idle", []))
+            lines.append(f"| {split} | {ran} | {p['from']} → {p['to']} | {p['before']:.3f} → {p['after']:.3f} | "
                          f"{p['gain']:+.3f} | [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] | {p['budget_rollouts']} |")
     for split in parts:
         evals = [r for r in rows if r.get("event") == "eval" and r.get("split") == split and r.get("per_problem")]
