@@ -62,3 +62,16 @@ def test_a_phase_that_changed_nothing_does_not_make_an_interval_mixed():
     parts = phase_attribution(rows, "val")
     assert [(p["phases"], p["idle"]) for p in parts] == [("H1", ["W1"]), ("W2+W3", ["H2"]), ("W3+H3", [])]  # W3 goes on past w4
     assert [round(p["gain"], 6) for p in parts] == [0.25, 0.25, 0.1]
+
+
+def test_reach_table_names_the_seeds_where_the_reference_never_scored():
+    """A best of 0 is reached by every run at its start: the seed is left out, and said so."""
+    from whale.compare import _reach_table
+
+    def run(seed, vals):
+        return {"cfg": {"seed": seed}, "rows": [ev("val", f"t{i}", [v] * 4, 32 * i) for i, v in enumerate(vals)]}
+
+    by_method = {"weight_only": [run(0, [0.0, 0.0]), run(1, [0.0, 0.5])], "whale": [run(0, [0.0, 0.25]), run(1, [0.0, 0.75])]}
+    lines = _reach_table(by_method, "weight_only")
+    assert "| whale | 1/1 | 32 |" in lines and "| weight_only | 1/1 | 32 |" in lines
+    assert lines[-1].startswith("Left out: seed 0, where weight_only's best val mean@k is 0")
