@@ -71,7 +71,8 @@ def test_reach_table_names_the_seeds_where_the_reference_never_scored():
     def run(seed, vals):
         return {"cfg": {"seed": seed}, "rows": [ev("val", f"t{i}", [v] * 4, 32 * i) for i, v in enumerate(vals)]}
 
-    by_method = {"weight_only": [run(0, [0.0, 0.0]), run(1, [0.0, 0.5])], "whale": [run(0, [0.0, 0.25]), run(1, [0.0, 0.75])]}
+    by_method = {"weight_only": [run(0, [0.0, 0.0]), run(1, [0.0, 0.5]), run(2, [])],  # seed 2: no val curve at all
+                 "whale": [run(0, [0.0, 0.25]), run(1, [0.0, 0.75])]}
     lines = _reach_table(by_method, "weight_only")
     assert "| whale | 1/1 | 32 |" in lines and "| weight_only | 1/1 | 32 |" in lines
-    assert lines[-1].startswith("Left out: seed 0, where weight_only's best val mean@k is 0")
+    assert lines[-1].startswith("Left out: seed 0, where weight_only's best val mean@k is 0")  # not seed 2

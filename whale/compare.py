@@ -155,7 +155,7 @@ def _reach_table(by_method: dict[str, list[dict]], ref: str, split: str = "val")
                 hits.append(xs[0] if xs else None)
         reached = [h for h in hits if h is not None]
         lines.append(f"| {m} | {len(reached)}/{len(hits)} | {_mean_sd(reached, digits=0)} |")
-    nothing = sorted(str(seed) for seed, goal in target.items() if not goal)
+    nothing = sorted(str(seed) for seed, goal in target.items() if goal is not None and goal <= 0)
     if nothing:  # a best of 0 is reached by every run at its start: not a target
         lines += ["", f"Left out: seed {', '.join(nothing)}, where {ref}'s best {split} mean@k is 0 "
                       f"(it never scored on {split})."]
