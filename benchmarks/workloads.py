@@ -238,7 +238,9 @@ def run_workload(name, args, limits) -> dict:
     runner = RolloutRunner(recorder, domain, cfg)
     runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep)
     before_runner = legacy_runner(old, domain, cfg) if args.before else None
-    runner.run(harness, problems[:2], seed=99)  # warm-up: fork server, grader pool, kernels
+    # warm-up at full size: fork server, grader pool, kernels, and the KV slab's kept storage (on CPU
+    # a batch's first slab faults in fresh pages; every later batch of a run reuses them, engine/kv.py)
+    runner.run(harness, problems, samples=args.k, seed=99)
     runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
     old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
     rows = []

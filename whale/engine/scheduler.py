@@ -76,7 +76,7 @@ def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
             "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
-            "max_live_rows": 0, "slab_peak_bytes": 0, "prefix_peak_bytes": 0}
+            "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0}
 
 
 class Scheduler:
@@ -158,6 +158,8 @@ class Scheduler:
             self.cond.notify_all()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=60)
+        if self.thread is None:  # ended for idleness before: nobody frees the kept KV storage but us
+            self.slab.release()
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -207,6 +209,7 @@ class Scheduler:
             self.busy = False
             self.cond.notify_all()
         self._fail_in_flight("error: the engine is closed", [], [])
+        self.slab.release()  # the kept storage too (engine/kv.py)
 
     def _due(self, job: Job) -> bool:
         return is_due(job, self.step_no)
@@ -268,6 +271,7 @@ class Scheduler:
             self._retire()
         stats = self.stats
         stats["slab_peak_bytes"] = max(stats["slab_peak_bytes"], self.slab.nbytes)
+        stats["slab_storage_peak_bytes"] = max(stats["slab_storage_peak_bytes"], self.slab.storage_bytes)
         stats["prefix_peak_bytes"] = max(stats["prefix_peak_bytes"], self.prefix.bytes)
 
     def _clear_prefix(self) -> None:

@@ -1,0 +1,77 @@
+"""The KV slab keeps its storage across clears on CPU (engine/kv.py): same shapes, same samples."""
+
+import torch
+
+from whale.engine.base import GenerationRequest, SamplingParams
+from whale.engine.hf import HFEngine
+from whale.engine.kv import KVSlab
+
+GROWTH = [(3, 40), (5, 40), (9, 70), (9, 130), (14, 130)]  # (rows, cols) a batch asks for, in order
+SAMPLE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=20)
+PROMPTS = [[{"role": "user", "content": f"Name a city in country number {i}."}] for i in range(5)]
+DIRT = [[{"role": "user", "content": "def run(env, llm): return 2 + 3 " * (4 + i)}] for i in range(5)]
+
+
+def grow(slab: KVSlab) -> list[tuple]:
+    """Run GROWTH on `slab`, writing a row's worth of values at each step; the shapes it took."""
+    slab.layer(0, torch.zeros(1, 2, 1, 8))  # the first keys fix (heads, dim, dtype)
+    shapes = []
+    for step, (rows, cols) in enumerate(GROWTH):
+        slab.reserve(rows, cols)
+        slab.data[:, :, rows - 1, :, :cols] = step + 1.0
+        shapes.append(tuple(slab.data.shape))
+    return shapes
+
+
+def test_cleared_slab_reuses_its_storage_with_the_shapes_of_a_fresh_one():
+    fresh, kept = KVSlab(2, torch.device("cpu"), keep_storage=False), KVSlab(2, torch.device("cpu"))
+    assert kept.keep_storage  # the default on CPU
+    reference = grow(fresh)
+    assert grow(kept) == reference
+    before = kept.data.clone()
+    assert torch.equal(before, fresh.data)  # what each growth copied is the same
+    buffers = {id(b) for b in kept.buffers}
+    assert len(buffers) == 2 and kept.storage_bytes >= kept.nbytes
+    kept.clear()
+    assert kept.data is None and kept.rows == kept.cols == 0 and len(kept.buffers) == 2
+    assert grow(kept) == reference  # the same shapes from empty, after the clear
+    assert {id(b) for b in kept.buffers} == buffers  # and no new memory
+    # the values a batch wrote are there; stale ones from the last batch are finite, never NaN
+    assert torch.equal(kept.data[:, :, 13, :, :130], before[:, :, 13, :, :130])
+    assert torch.isfinite(kept.data).all()
+    fresh.clear()
+    assert fresh.buffers == [] and fresh.data is None
+    kept.release()
+    assert kept.buffers == [] and kept.storage_bytes == 0
+
+
+def test_a_bigger_slab_replaces_the_smaller_free_buffer_and_two_at_most_are_kept():
+    slab = KVSlab(2, torch.device("cpu"))
+    grow(slab)
+    slab.reserve(40, 300)  # larger than anything before: new memory, the live data copied over
+    assert len(slab.buffers) == 2
+    assert float(slab.data[0, 0, 13, 0, 0, 0]) == len(GROWTH)
+    assert slab.storage_bytes < 3 * slab.nbytes
+
+
+def run(engine, prompts):
+    requests = [GenerationRequest(m, seed=100 + i, n=2) for i, m in enumerate(prompts)]
+    return [[g.completion_ids for g in gens] for gens in engine.generate(requests, SAMPLE)]
+
+
+def test_kept_storage_changes_no_sample(tiny_model_dir):
+    """Stale values in reused storage sit in masked columns: the same calls sample the same ids as
+    on an engine that starts every batch on zeroed memory."""
+    kept = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=256, max_batch_size=4)
+    zeroed = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=256, max_batch_size=4)
+    zeroed.scheduler.slab.keep_storage = False
+    try:
+        first = run(kept, PROMPTS)
+        run(kept, DIRT)  # longer prompts: the storage now holds their keys and values
+        assert kept.scheduler.slab.buffers
+        assert run(kept, PROMPTS) == first == run(zeroed, PROMPTS)
+        assert zeroed.scheduler.slab.buffers == []
+    finally:
+        kept.close()
+        zeroed.close()
+    assert kept.scheduler.slab.buffers == []  # closing frees the kept storage
