@@ -8,6 +8,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           sandbox and no tools: the ceiling the runner can reach
   unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
           rows' decode step as two forwards, as before engine/mixed.py)
+  fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
+          kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
   legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
   before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
@@ -68,6 +70,19 @@ class Workload(NamedTuple):
     harness: str
     sampling: object
     engine: object
+
+
+@contextlib.contextmanager
+def fresh_slab(engine):
+    """The hf engine's KV slab without kept storage: fresh memory for every growth (set aside, not
+    freed, so the variants after this one find their kept buffers again)."""
+    slab = engine.scheduler.slab
+    saved = slab.keep_storage, slab.buffers
+    slab.keep_storage, slab.buffers = False, []
+    try:
+        yield
+    finally:
+        slab.keep_storage, slab.buffers = saved
 
 
 @contextlib.contextmanager
@@ -261,6 +276,10 @@ def run_workload(name, args, limits) -> dict:
                                                          cfg.runner.concurrency)
         unmixed_stats = delta(engine.stats, before)
         fresh(engine)
+        with fresh_slab(engine):
+            fresh_s, fresh_cpu, fresh_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
+        same_fresh = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(raw_gens, fresh_gens))
+        fresh(engine)
         waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
         legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
         same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
@@ -285,6 +304,9 @@ def run_workload(name, args, limits) -> dict:
             "mixed_over_unmixed": (generated(raw_gens) / raw_s) / (generated(unmixed_gens) / unmixed_s),
             "mixed_over_unmixed_cpu": (unmixed_cpu / generated(unmixed_gens)) / (raw_cpu / generated(raw_gens)),
             "same_ids_mixed_unmixed": f"{same_unmixed}/{calls}",
+            "kept_over_fresh_slab": (generated(raw_gens) / raw_s) / (generated(fresh_gens) / fresh_s),
+            "kept_over_fresh_slab_cpu": (fresh_cpu / generated(fresh_gens)) / (raw_cpu / generated(raw_gens)),
+            "same_ids_kept_fresh_slab": f"{same_fresh}/{calls}", "fresh_slab_s": fresh_s,
             "mixed_forwards": raw_stats["mixed_forwards"], "unmixed_engine": unmixed_stats,
             "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
             "legacy_tok_s": generated(legacy_gens) / legacy_s,
@@ -307,7 +329,8 @@ def run_workload(name, args, limits) -> dict:
               f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
               f"same ids as legacy {same}/{calls}; raw mixed/unmixed {row['mixed_over_unmixed']:.2f} "
               f"(CPU {row['mixed_over_unmixed_cpu']:.2f}, {row['mixed_forwards']} mixed forwards, same ids "
-              f"{row['same_ids_mixed_unmixed']})"
+              f"{row['same_ids_mixed_unmixed']}); kept/fresh slab {row['kept_over_fresh_slab']:.2f} "
+              f"(CPU {row['kept_over_fresh_slab_cpu']:.2f}, same ids {row['same_ids_kept_fresh_slab']})"
               + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
                  if before_s else ""), flush=True)
     runner.close()
@@ -315,6 +338,7 @@ def run_workload(name, args, limits) -> dict:
     if before_runner is not None:
         before_runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
+          "slab_storage_peak_mib": engine.stats["slab_storage_peak_bytes"] / 2**20,
           "prefix_cache_peak_mib": engine.stats["prefix_peak_bytes"] / 2**20}
     engine.close()
     old.close()
@@ -330,7 +354,7 @@ def summarize(rows, limits) -> dict:
     decode_tps = st["decode_tokens"] / max(st["decode_seconds"], 1e-9)
     live = st["decode_tokens"] / max(st["decode_steps"], 1)
     return {
-        "mixed_over_unmixed": mean("mixed_over_unmixed"),
+        "mixed_over_unmixed": mean("mixed_over_unmixed"), "kept_over_fresh_slab": mean("kept_over_fresh_slab"),
         "runner_over_raw": mean("runner_over_raw"), "lockstep_over_runner": mean("lockstep_over_runner"), "raw_over_legacy": mean("raw_over_legacy"),
         "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
         "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
@@ -362,12 +386,14 @@ def main() -> None:
     for r in results:
         s = r["summary"]
         print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | mixed/unmixed forwards "
-              f"{s['mixed_over_unmixed']:.2f} | engine tok/s vs 1c4ff05: chained "
+              f"{s['mixed_over_unmixed']:.2f} | kept/fresh slab {s['kept_over_fresh_slab']:.2f} | "
+              f"engine tok/s vs 1c4ff05: chained "
               f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x (CPU "
               f"{s['legacy_over_raw_cpu']:.2f}x) | prefill computed/requested "
               f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "
               f"{s['prefill_limit_tok_s']:.0f}) | decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} "
-              f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab, "
+              f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab "
+              f"({r['kv']['slab_storage_peak_mib']:.0f} MiB kept storage), "
               f"{r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache"
               + (f" | runner vs 1c4ff05 runner {s['runner_over_before']:.2f}x" if s["runner_over_before"] else ""))
     if args.json:
