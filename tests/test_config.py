@@ -90,3 +90,18 @@ def test_a_retired_key_loads_from_an_old_run_and_is_an_error_when_set():
     assert config_from_dict(old).runner.concurrency == 8
     with pytest.raises(ConfigError, match="'runner.batch_window_ms' was removed: continuous batching"):
         load_config(None, ["runner.batch_window_ms=5"])
+
+
+def test_demo_budget_keeps_its_last_weight_phase():
+    """The demo's plan (configs/demo.yaml): W1 of one step, one harness phase (re-score the incoming
+    harness, one iteration of M candidates, the winner and the incoming harness re-run on fresh
+    seeds with confirm_samples each), then W2 of five steps. Raising the confirmation's samples
+    without raising the budget would silently cut W2, the phase that buys most of the gain."""
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
+    step = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
+    harness_n = cfg.domain.splits.harness
+    h = cfg.harness
+    harness_phase = (harness_n * h.samples_per_example * (1 + h.candidates_per_iteration * (cfg.schedule.harness_iterations - 1))
+                     + harness_n * h.confirm_samples * (h.confirm_top + 1))
+    assert h.confirm_samples >= 3  # one fresh sample per problem missed a true +0.13 (docs/results/demo/README.md)
+    assert cfg.schedule.budget_rollouts - step - harness_phase == 5 * step
