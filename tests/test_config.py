@@ -4,6 +4,7 @@ import pytest
 
 from whale.config import ConfigError, Config, apply_override, dump_config, load_config
 from whale.domains import load_domain
+from whale.schedule import Schedule
 
 
 def test_defaults_validate():
@@ -98,10 +99,11 @@ def test_demo_budget_keeps_its_last_weight_phase():
     seeds with confirm_samples each), then W2 of five steps. Raising the confirmation's samples
     without raising the budget would silently cut W2, the phase that buys most of the gain."""
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
-    step = cfg.weight.problems_per_step * cfg.weight.samples_per_problem
     harness_n = cfg.domain.splits.harness
-    h = cfg.harness
-    harness_phase = (harness_n * h.samples_per_example * (1 + h.candidates_per_iteration * (cfg.schedule.harness_iterations - 1))
-                     + harness_n * h.confirm_samples * (h.confirm_top + 1))
-    assert h.confirm_samples >= 3  # one fresh sample per problem missed a true +0.13 (docs/results/demo/README.md)
+    schedule = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=harness_n)
+    step = schedule.weight_step_cost
+    rescore = harness_n * cfg.harness.samples_per_example  # the phase's first iteration re-scores the incoming harness
+    harness_phase = rescore + (cfg.schedule.harness_iterations - 1) * schedule.harness_iteration_cost \
+        + schedule.harness_phase_extra
+    assert cfg.harness.confirm_samples >= 3  # one fresh sample per problem missed a true +0.13 (docs/results/demo/README.md)
     assert cfg.schedule.budget_rollouts - step - harness_phase == 5 * step

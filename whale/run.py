@@ -171,11 +171,7 @@ class Experiment:
         return stream, patience
 
     def _make_schedule(self) -> Schedule:
-        h, w = self.cfg.harness, self.cfg.weight
-        iteration_cost = h.candidates_per_iteration * len(self.splits["harness"]) * h.samples_per_example
-        confirm_cost = (h.confirm_top + 1) * len(self.splits["harness"]) * h.confirm_samples if h.confirm_top else 0
-        return Schedule(self.cfg, self.stream.steps_per_epoch, iteration_cost, w.problems_per_step * w.samples_per_problem,
-                        confirm_cost)
+        return Schedule.for_config(self.cfg, self.stream.steps_per_epoch, len(self.splits["harness"]))
 
     def _state_defaults(self) -> None:
         st = self.state

@@ -98,6 +98,16 @@ class Schedule:
         self.weight_step_cost = weight_step_cost
         self.harness_phase_extra = harness_phase_extra  # at most this many confirmation rollouts per phase
 
+    @classmethod
+    def for_config(cls, cfg: Config, steps_per_epoch: int, harness_problems: int) -> "Schedule":
+        """The schedule of `cfg` with its rollout costs: one harness iteration (M candidates on the
+        harness split), one weight step, and a phase's confirmation re-run (the top candidates and
+        the incoming harness on fresh seeds; none without confirmation)."""
+        h, w = cfg.harness, cfg.weight
+        iteration_cost = h.candidates_per_iteration * harness_problems * h.samples_per_example
+        confirm_cost = (h.confirm_top + 1) * harness_problems * h.confirm_samples if h.confirm_top else 0
+        return cls(cfg, steps_per_epoch, iteration_cost, w.problems_per_step * w.samples_per_problem, confirm_cost)
+
     @property
     def kind(self) -> str:
         return self.cfg.kind
