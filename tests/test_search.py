@@ -684,7 +684,7 @@ def test_mutation_proposer_is_seeded_prefers_valid_parents_and_skips_known_code(
 
 def test_move_annotations_match_python_chess():
     chess = pytest.importorskip("chess")
-    from whale.search import mutation_blocks as B
+    from whale.search import blocks as B
 
     ns = {}
     exec(B.ANNOTATE_MOVES.replace("__INNER__", "print"), ns)

@@ -628,7 +628,7 @@ def test_rerank_mechanism_lifts_top1_recall_on_the_real_index(domain):
     import re as _re
     import unicodedata as _ud
 
-    from whale.search import mutation_blocks as B
+    from whale.search import blocks as B
 
     ns = {"re": _re, "unicodedata": _ud}
     exec(B.RERANK_PASSAGES.replace("__INNER__", "print"), ns)

@@ -31,7 +31,7 @@ How edits are made robust to any descendant of the domains' h0 harnesses:
   and are skipped otherwise.
 Every block is marked `# --- mutation: <name> ---`, a mechanism is applied at most once per
 lineage, and every result passes the same static checks as any candidate. The code blocks live in
-mutation_blocks.py.
+search/blocks/, one module per domain.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from whale.config import Config
-from whale.search import mutation_blocks as B
+from whale.search import blocks as B
 from whale.search.archive import code_hash
 from whale.search.diagnose import Diagnosis, diagnose_harness
 from whale.search.proposal import Proposal
