@@ -101,6 +101,9 @@ def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
     assert state["weights_version"] == "base"
     md = compare_runs([wo, ho], tmp_path / "cmp").read_text()
     assert "weight_only" in md and "harness_only" in md and "paired bootstrap" in md
+    assert "against **harness_only**" in compare_runs([wo, ho], tmp_path / "cmp2", references=["harness_only"]).read_text()
+    with pytest.raises(ConfigError, match="names no method of these runs.*weight_only, harness_only"):
+        compare_runs([wo, ho], tmp_path / "cmp3", references=["harness-only"])  # a typo is an error, not a missing table
     per_seed = md.split("Per seed")[1].splitlines()
     ho_row = next(line for line in per_seed if line.startswith("| harness_only |"))
     wo_row = next(line for line in per_seed if line.startswith("| weight_only |"))

@@ -28,6 +28,16 @@ def _method(cfg: dict) -> str:
     return kind + ("+adaptive" if s.get("adaptive") else "")
 
 
+def _reference(name: str, methods: list[str]) -> str:
+    """The method a `--ref` names. Run names spell the adaptive schedule `whale_adaptive`
+    (scripts/compare.py), tables `whale+adaptive`; both are accepted. A name that matches no run
+    is an error: a silently missing table reads as "no difference computed" when it was a typo."""
+    for candidate in (name, name.replace("_adaptive", "+adaptive")):
+        if candidate in methods:
+            return candidate
+    raise ConfigError(f"--ref {name!r} names no method of these runs (methods: {', '.join(methods)})")
+
+
 def _final_test_per_problem(rows: list[dict]) -> list[float] | None:
     test = [r for r in rows if r.get("event") == "eval" and r.get("split") == "test" and r.get("per_problem")]
     return test[-1]["per_problem"] if test else None
@@ -46,6 +56,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", refere
         by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
                                         "per_problem": _final_test_per_problem(rows)})
     methods = list(by_method)
+    references = [_reference(r, methods) for r in references or methods[:1]]
     lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Initial: the first evaluation "
              "(incoming harness, base weights). Budget rollouts = weight + harness search.", "",
              "| method | runs | initial | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
@@ -58,7 +69,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", refere
         secs = _mean_sd([r["summary"].get("seconds") for r in runs], digits=0)
         lines.append(f"| {m} | {len(runs)} | {' | '.join(cells)} | {budget} | {total} | {secs} |")
     lines += _per_seed_table(by_method)
-    for ref in [m for m in (references or methods[:1]) if m in by_method]:
+    for ref in references:
         lines += _difference_table(by_method, ref)
     lines += _phase_sums_table(by_method)
     if "weight_only" in by_method:
