@@ -39,6 +39,15 @@ def test_paired_test_uses_only_common_problems():
     assert t.n == 2 and t.gain == pytest.approx(0.5) and t.mean_a == pytest.approx(0.75)
 
 
+def test_a_tiny_p_value_is_recorded_and_reported_as_tiny_not_zero():
+    from whale.report import fmt_p
+    t = paired_test({f"q{i}": 1.0 for i in range(20)}, {f"q{i}": 0.0 for i in range(20)})
+    assert t.p == pytest.approx(2.0 ** -20)  # every one of 20 problems won: the exact p
+    recorded = t.to_json()["p"]
+    assert 0 < recorded == pytest.approx(t.p, rel=1e-2)  # 4 decimals would have recorded 0.0
+    assert fmt_p(recorded) == "p < 0.0001" and fmt_p(0.0) == "p < 0.0001" and fmt_p(0.0625) == "p = 0.0625"
+
+
 def _draw(rng, rate, problems, k):
     return {f"p{i}": sum(rng.random() < rate for _ in range(k)) / k for i in range(problems)}
 

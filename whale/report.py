@@ -303,10 +303,10 @@ def write_report(run_dir: str | Path) -> Path:
         for r in harness_rows:
             if r["event"] == "confirm":
                 r = {**r, "success_rate": r.get("mean_a"), "reason": f"fresh seeds: {r.get('mean_a', 0):.3f} vs incoming "
-                     f"{r.get('mean_b', 0):.3f}, paired gain {r.get('gain', 0):+.3f}, p={r.get('p')} "
+                     f"{r.get('mean_b', 0):.3f}, paired gain {r.get('gain', 0):+.3f}, {fmt_p(r.get('p'))} "
                      f"({'passes' if r.get('passes') else 'not shown'} at {r.get('level')})"}
             elif r["event"] == "null_probe":
-                r = {**r, "success_rate": r.get("real"), "reason": f"null engine {r.get('null', 0):.3f}, p={r.get('p')}"
+                r = {**r, "success_rate": r.get("real"), "reason": f"null engine {r.get('null', 0):.3f}, {fmt_p(r.get('p'))}"
                      f"{', FLAGGED' if r.get('flagged') else ''}"}
             sr = r.get("success_rate")
             lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
@@ -328,6 +328,14 @@ def _matrix_section(run_dir: Path) -> list[str]:
             if line.startswith("## ") or "](matrix.png)" in line else line
             for line in md.read_text().splitlines()[1:]]  # its own title replaced by the section heading
     return ["## Harness x weights matrix", "", *body]
+
+
+def fmt_p(p: Any) -> str:
+    """A p-value as text. Records before session 17 rounded p to 4 decimals, so a 0 there means
+    below 0.00005; a sign-flip p-value is never exactly 0."""
+    if not isinstance(p, (int, float)):
+        return "p = ?"
+    return "p < 0.0001" if p < 1e-4 else f"p = {p:.3g}"
 
 
 def fmt(v: Any) -> str:

@@ -81,7 +81,10 @@ class PairedTest:
     p: float  # one-sided sign-flip p-value of gain > 0
 
     def to_json(self) -> dict[str, Any]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        """Rates to 4 decimals; p to 3 significant digits (a p of 2e-5 must not print as 0)."""
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out["p"] = float(f"{self.p:.3g}")
+        return out
 
 
 def paired_test(a: dict[str, float], b: dict[str, float], seed: int = 0) -> PairedTest:
