@@ -81,10 +81,15 @@ class PairedTest:
     p: float  # one-sided sign-flip p-value of gain > 0
 
     def to_json(self) -> dict[str, Any]:
-        """Rates to 4 decimals; p to 3 significant digits (a p of 2e-5 must not print as 0)."""
+        """Rates to 4 decimals; p as `recorded_p`."""
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
-        out["p"] = float(f"{self.p:.3g}")
+        out["p"] = recorded_p(self.p)
         return out
+
+
+def recorded_p(p: float) -> float:
+    """A p-value as metrics keep it: 3 significant digits (to 4 decimals a p of 2e-5 would be 0)."""
+    return float(f"{p:.3g}")
 
 
 def paired_test(a: dict[str, float], b: dict[str, float], seed: int = 0) -> PairedTest:

@@ -24,7 +24,7 @@ from typing import Any
 from whale.config import Config
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner
-from whale.search.acceptance import paired_test, per_problem
+from whale.search.acceptance import paired_test, per_problem, recorded_p
 
 
 def null_probe(runner, harness_source: str, problems: list, cfg: Config, *, null_runner=None, domain=None,
@@ -67,4 +67,4 @@ def null_probe(runner, harness_source: str, problems: list, cfg: Config, *, null
     shown = test.p <= cfg.harness.accept_alpha and test.gain > cfg.harness.null_probe_min_drop
     flagged = test.mean_b > 0 and not shown
     return {"real": round(test.mean_a, 4), "null": round(test.mean_b, 4), "drop": round(test.gain, 4),
-            "p": float(f"{test.p:.3g}"), "flagged": flagged, "n": len(items), "note": note}
+            "p": recorded_p(test.p), "flagged": flagged, "n": len(items), "note": note}
