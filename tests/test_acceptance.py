@@ -13,7 +13,7 @@ from whale.config import Config
 from whale.engine.base import Generation
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner
-from whale.search.acceptance import choose, paired_test, sign_flip_p
+from whale.search.acceptance import choose, confirm_sequentially, paired_test, pooled, sign_flip_p
 from whale.search.archive import Archive
 from whale.search.guard import null_probe
 from whale.search.loop import HarnessSearch
@@ -93,9 +93,47 @@ def test_margin_and_alpha_are_respected():
     assert winner == "a" and tests["b"]["level"] == pytest.approx(0.025) and tests["b"]["passes"]
 
 
+def test_pooled_averages_rounds_on_common_problems():
+    assert pooled([{"a": 1.0, "b": 0.0}, {"a": 0.5, "b": 1.0, "c": 1.0}]) == {"a": 0.75, "b": 0.5}
+    assert pooled([]) == {}
+
+
+def _sequential_accepts(rng, base_rates, gain, rounds, k=2):
+    rates = {"h0": base_rates, "c": [min(1.0, b + gain) for b in base_rates]}
+    draws = []
+    def draw(cid, r):  # noqa: E306
+        draws.append((cid, r))
+        return {f"p{i}": sum(rng.random() < x for _ in range(k)) / k for i, x in enumerate(rates[cid])}
+    _, history = confirm_sequentially(draw, "h0", ["c"], alpha=0.05, rounds=rounds)
+    assert draws == [(h, r) for r in range(len(history)) for h in ("h0", "c")]  # paired rounds, in order
+    for tests in history:
+        assert tests["c"]["level"] == pytest.approx(0.05 / rounds, abs=1e-4)  # alpha split over the rounds
+    return history[-1]["c"]["passes"], len(history)
+
+
+def test_sequential_confirmation_keeps_the_bound_and_buys_power():
+    """64 problems x 2 fresh samples per round. An equal candidate is accepted at most alpha of the
+    time with 3 rounds as with 1; a small true gain (+0.06) is accepted clearly more often with 3
+    rounds, and a clear loss or win stops after one round."""
+    rng = random.Random(3)
+    base = [rng.choice([0.0, 0.1, 0.3, 0.6, 0.9]) for _ in range(64)]
+    trials = 300
+    null3 = [_sequential_accepts(rng, base, 0.0, 3) for _ in range(trials)]
+    assert sum(a for a, _ in null3) / trials < 0.05
+    small1 = sum(_sequential_accepts(rng, base, 0.06, 1)[0] for _ in range(trials)) / trials
+    small3 = [_sequential_accepts(rng, base, 0.06, 3) for _ in range(trials)]
+    power3 = sum(a for a, _ in small3) / trials
+    assert power3 > small1 + 0.1, (small1, power3)
+    assert 1 < sum(n for _, n in small3) / trials < 3  # extra rounds only while undecided
+    big = [_sequential_accepts(rng, base, 0.3, 3) for _ in range(50)]
+    assert all(a and n == 1 for a, n in big)
+    loss = [_sequential_accepts(rng, base, -0.3, 3) for _ in range(50)]
+    assert all(not a and n == 1 for a, n in loss)
+
+
 # ----------------------------------------------------------------------------- with real rollouts
 class CoinEngine(ScriptedEngine):
-    """Right answer with probability 0.9 when the prompt says 'carefully', else 0.3; the coin is
+    """Right answer with probability 0.9 when the prompt says 'carefully', 0.55 'steadily', else 0.3; the coin is
     seeded by the request's seed and its prompt, so different prompts give independent coins on
     the same seeds (as a real model's samples would)."""
 
@@ -106,7 +144,7 @@ class CoinEngine(ScriptedEngine):
         for r in requests:
             text = " ".join(m["content"] for m in r.messages)
             a, b = (int(x) for x in re.findall(r"What is (\d+) \+ (\d+)", text)[0])
-            rate = 0.9 if "carefully" in text else 0.3
+            rate = 0.9 if "carefully" in text else 0.55 if "steadily" in text else 0.3
             gens = []
             for i in range(r.n):
                 rng = random.Random(f"{r.seed}/{i}/{text}")
@@ -181,6 +219,29 @@ def test_search_accepts_a_real_gain_with_its_fresh_paired_gain(coin, tmp_path):
     probe = archive.meta("h2")["null_probe"]["base/p1"]
     assert not probe["flagged"] and probe["null"] == 0.0  # the null engine never adds numbers
     assert "confirm" in BUDGET_PURPOSES
+
+
+def test_sequential_confirmation_in_the_loop_accepts_a_modest_gain_one_round_missed(coin, tmp_path):
+    """'steadily' is right 0.55 of the time against h0's 0.3, on 16 problems x 2 fresh samples per
+    round. On seed 0 the first round shows nothing (p = 0.5): one round keeps h0; with three, the
+    rounds pooled accept it, and every round's rollouts are counted, cached and reported."""
+    cfg, domain, runner, null = coin
+    one, _, _ = run_search(coin, tmp_path / "one", [variant("Add steadily.")], seed=0)
+    assert one.accepted_id == "h0"
+    cfg3 = cfg.model_copy(deep=True)
+    cfg3.harness.confirm_rounds = 3
+    result, archive, ledger = run_search((cfg3, domain, runner, null), tmp_path / "three", [variant("Add steadily.")], seed=0)
+    confirms = [r for r in result.history if r["event"] == "confirm"]
+    assert [r["round"] for r in confirms] == [1, 2, 3] and all(r["rounds"] == 3 for r in confirms)
+    assert [r["passes"] for r in confirms] == [False, False, True]
+    assert all(r["level"] == pytest.approx(0.05 / 3, abs=1e-4) for r in confirms)
+    assert result.accepted_id == "h1" and result.gain == pytest.approx(confirms[-1]["gain"])
+    assert ledger.count(("confirm", 16 * 2)) == 6  # incoming and candidate, three rounds
+    for cid in ("h0", "h1"):
+        assert sorted(archive.meta(cid)["confirm"]) == ["base/p1", "base/p1/r2", "base/p1/r3"]
+    first = archive.meta("h1")["confirm"]["base/p1"]["per_problem"]
+    one_first = Archive(tmp_path / "one" / "run0").meta("h1")["confirm"]["base/p1"]["per_problem"]
+    assert first and first == one_first  # round 1 is the same draw with one round or three: the same seeds
 
 
 def test_null_probe_passes_a_small_real_gain_and_flags_a_harness_that_ignores_the_model(coin):

@@ -275,3 +275,14 @@ def test_gain_a_replaced_harness_sends_the_budget_back_to_the_weights():
     assert seq.startswith("WHWHWHW")
     seq, _ = gain_phases(lambda i: 0.0, lambda i: 0.25 if i < 3 else 0.0)
     assert seq.startswith("WHWHH")
+
+
+def test_the_budget_reserves_every_round_of_a_sequential_confirmation():
+    """A phase may re-run the incoming harness and the top candidates on fresh seeds up to
+    confirm_rounds times; the reserve is that worst case, so a budget that admits a harness phase
+    cannot be overrun by its confirmation."""
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
+    one = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32).harness_phase_extra
+    cfg.harness.confirm_rounds = 3
+    three = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32).harness_phase_extra
+    assert one == (cfg.harness.confirm_top + 1) * 32 * cfg.harness.confirm_samples and three == 3 * one

@@ -302,7 +302,8 @@ def write_report(run_dir: str | Path) -> Path:
                   "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
         for r in harness_rows:
             if r["event"] == "confirm":
-                r = {**r, "success_rate": r.get("mean_a"), "reason": f"fresh seeds: {r.get('mean_a', 0):.3f} vs incoming "
+                rounds = f" (round {r['round']}/{r['rounds']}, pooled)" if r.get("rounds") else ""
+                r = {**r, "success_rate": r.get("mean_a"), "reason": f"fresh seeds{rounds}: {r.get('mean_a', 0):.3f} vs incoming "
                      f"{r.get('mean_b', 0):.3f}, paired gain {r.get('gain', 0):+.3f}, {fmt_p(r.get('p'))} "
                      f"({'passes' if r.get('passes') else 'not shown'} at {r.get('level')})"}
             elif r["event"] == "null_probe":
@@ -310,7 +311,7 @@ def write_report(run_dir: str | Path) -> Path:
                      f"{', FLAGGED' if r.get('flagged') else ''}"}
             sr = r.get("success_rate")
             lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
-                         f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:80]} |")
+                         f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:120]} |")
         lines.append("")
         if has_lineage:
             lines += ["![lineage](lineage.png)", ""]

@@ -102,10 +102,12 @@ class Schedule:
     def for_config(cls, cfg: Config, steps_per_epoch: int, harness_problems: int) -> "Schedule":
         """The schedule of `cfg` with its rollout costs: one harness iteration (M candidates on the
         harness split), one weight step, and a phase's confirmation re-run (the top candidates and
-        the incoming harness on fresh seeds; none without confirmation)."""
+        the incoming harness on fresh seeds, each of up to `confirm_rounds` rounds: the worst case is
+        reserved; none without confirmation)."""
         h, w = cfg.harness, cfg.weight
         iteration_cost = h.candidates_per_iteration * harness_problems * h.samples_per_example
-        confirm_cost = (h.confirm_top + 1) * harness_problems * h.confirm_samples if h.confirm_top else 0
+        confirm_cost = ((h.confirm_top + 1) * harness_problems * h.confirm_samples * h.confirm_rounds
+                        if h.confirm_top else 0)
         return cls(cfg, steps_per_epoch, iteration_cost, w.problems_per_step * w.samples_per_problem, confirm_cost)
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from whale.config import Config
 from whale.engine.null import NullEngine
 from whale.harness.runner import RolloutRunner, derive_seed
-from whale.search.acceptance import choose, per_problem
+from whale.search.acceptance import choose, confirm_sequentially, per_problem
 from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
 from whale.search.diagnose import diagnose_harness
@@ -309,16 +309,14 @@ class HarnessSearch:
         if not challengers:
             return incoming
         if h.confirm_top > 0:
-            chosen = challengers[: h.confirm_top]
-            base = self._fresh(incoming, version)
-            rates = {cid: self._fresh(cid, version) for cid in chosen}
+            rates, tests = self._confirm(incoming, challengers[: h.confirm_top], version)
         else:  # decide on the selection traces; alpha is split over every candidate selected among
             base = per_problem(self.archive.traces(incoming, version))
             rates = {cid: per_problem(self.archive.traces(cid, version)) for cid in challengers}
-        winner, tests = choose(base, rates, alpha=h.accept_alpha, margin=h.accept_margin)
-        for cid, test in tests.items():
-            self._emit({"event": "confirm", "iteration": st["done"], "id": cid, "incoming": incoming,
-                        "fresh": h.confirm_top > 0, **test})
+            _, tests = choose(base, rates, alpha=h.accept_alpha, margin=h.accept_margin)
+            for cid, test in tests.items():
+                self._emit({"event": "confirm", "iteration": st["done"], "id": cid, "incoming": incoming,
+                            "fresh": False, **test})
         passing = sorted((cid for cid in tests if tests[cid]["passes"]), key=lambda c: -tests[c]["mean_a"])
         for cid in passing:
             probe = self._probe(cid, version, rates[cid] if h.confirm_top > 0 else None)
@@ -327,14 +325,28 @@ class HarnessSearch:
                 return cid
         return incoming
 
+    def _confirm(self, incoming: str, chosen: list[str], version: str) -> tuple[dict, dict]:
+        """Sequential confirmation (acceptance.py, rules 2-4) on fresh rollouts; every round's tests
+        emitted. Returns the pooled rates and the tests of the last round."""
+        h = self.cfg.harness
+        rates, history = confirm_sequentially(lambda cid, r: self._fresh(cid, version, r), incoming, chosen,
+                                              alpha=h.accept_alpha, margin=h.accept_margin, rounds=h.confirm_rounds)
+        for r, tests in enumerate(history):
+            extra = {"round": r + 1, "rounds": h.confirm_rounds} if h.confirm_rounds > 1 else {}
+            for cid, test in tests.items():
+                self._emit({"event": "confirm", "iteration": self._state["done"], "id": cid, "incoming": incoming,
+                            "fresh": True, **test, **extra})
+        return rates, history[-1]
+
     def _decision_key(self, version: str) -> str:
         """Fresh samples belong to one decision: this phase under these weights."""
         return f"{version}/p{self._state['phase']}"
 
-    def _fresh(self, cid: str, version: str) -> dict[str, float]:
-        """Per-problem success on new seeds (ledger purpose `confirm`), cached in meta.json."""
+    def _fresh(self, cid: str, version: str, round_index: int = 0) -> dict[str, float]:
+        """Per-problem success on new seeds (ledger purpose `confirm`), cached in meta.json; each
+        round of a sequential confirmation has its own seeds and cache key."""
         self.subject = cid
-        key = self._decision_key(version)
+        key = self._decision_key(version) + (f"/r{round_index + 1}" if round_index else "")
         cached = (self.archive.meta(cid).get("confirm") or {}).get(key)
         if cached is not None:
             return cached["per_problem"]
