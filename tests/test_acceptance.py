@@ -131,6 +131,22 @@ def test_sequential_confirmation_keeps_the_bound_and_buys_power():
     assert all(not a and n == 1 for a, n in loss)
 
 
+def test_a_refused_round_ends_the_confirmation_as_it_stands():
+    base = {f"p{i}": 0.0 for i in range(32)}
+    ahead = {f"p{i}": 1.0 if i < 3 else 0.0 for i in range(32)}  # 3 won, none lost: p = 1/8, not shown
+    asked = []
+    def draw(cid, r):  # noqa: E306
+        return ahead if cid == "c" else base
+    def more(alive, r):  # noqa: E306
+        asked.append((list(alive), r))
+        return False
+    rates, history = confirm_sequentially(draw, "h0", ["c"], alpha=0.05, rounds=3, more=more)
+    assert asked == [(["c"], 1)] and len(history) == 1 and not history[0]["c"]["passes"]
+    assert rates == {"c": ahead}
+    _, allowed = confirm_sequentially(draw, "h0", ["c"], alpha=0.05, rounds=3, more=lambda a, r: True)
+    assert len(allowed) == 3  # the same draws every round: still not shown, all three rounds spent
+
+
 # ----------------------------------------------------------------------------- with real rollouts
 class CoinEngine(ScriptedEngine):
     """Right answer with probability 0.9 when the prompt says 'carefully', 0.55 'steadily', else 0.3; the coin is
@@ -183,7 +199,7 @@ def coin():
     null.close()
 
 
-def run_search(coin, tmp_path, sources, seed):
+def run_search(coin, tmp_path, sources, seed, can_spend=None):
     cfg, domain, runner, null = coin
     cfg = cfg.model_copy(deep=True)
     cfg.seed, cfg.harness.candidates_per_iteration = seed, len(sources)
@@ -192,7 +208,7 @@ def run_search(coin, tmp_path, sources, seed):
     ledger = []
     search = HarnessSearch(cfg, domain, runner, archive, OneRound(sources), progress=False, null_runner=null,
                            ledger_callback=lambda p, t: ledger.append((p, len(t))))
-    return search.run_phase("h0", "base", iterations=2), archive, ledger
+    return search.run_phase("h0", "base", iterations=2, can_spend=can_spend), archive, ledger
 
 
 def test_search_keeps_the_incoming_harness_against_lucky_noise(coin, tmp_path):
@@ -242,6 +258,14 @@ def test_sequential_confirmation_in_the_loop_accepts_a_modest_gain_one_round_mis
     first = archive.meta("h1")["confirm"]["base/p1"]["per_problem"]
     one_first = Archive(tmp_path / "one" / "run0").meta("h1")["confirm"]["base/p1"]["per_problem"]
     assert first and first == one_first  # round 1 is the same draw with one round or three: the same seeds
+
+    asked = []  # a budget with room for one more round only: round 3 is refused, asked with its cost
+    budget = lambda n: asked.append(n) or len(asked) == 1  # noqa: E731
+    cut, cut_archive, cut_ledger = run_search((cfg3, domain, runner, null), tmp_path / "cut", [variant("Add steadily.")],
+                                              seed=0, can_spend=budget)
+    assert asked == [2 * 16 * 2, 2 * 16 * 2] and cut.accepted_id == "h0"  # incoming + candidate, 16 x 2 each
+    assert [r["event"] for r in cut.history if r["event"].startswith("confirm")] == ["confirm", "confirm", "confirm_stopped"]
+    assert cut_ledger.count(("confirm", 16 * 2)) == 4
 
 
 def test_null_probe_passes_a_small_real_gain_and_flags_a_harness_that_ignores_the_model(coin):

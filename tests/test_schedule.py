@@ -277,12 +277,19 @@ def test_gain_a_replaced_harness_sends_the_budget_back_to_the_weights():
     assert seq.startswith("WHWHH")
 
 
-def test_the_budget_reserves_every_round_of_a_sequential_confirmation():
-    """A phase may re-run the incoming harness and the top candidates on fresh seeds up to
-    confirm_rounds times; the reserve is that worst case, so a budget that admits a harness phase
-    cannot be overrun by its confirmation."""
+def test_only_the_first_confirmation_round_is_reserved_and_later_ones_ask_the_budget():
+    """The reserve of a harness phase is one confirmation round whatever confirm_rounds is (a
+    worst-case reserve cost harness-only seed 4 its last phase: docs/results/cmp_seq); a further
+    round may spend only what is left after the weight step that must follow."""
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml")
-    one = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32).harness_phase_extra
+    one = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32)
     cfg.harness.confirm_rounds = 3
-    three = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32).harness_phase_extra
-    assert one == (cfg.harness.confirm_top + 1) * 32 * cfg.harness.confirm_samples and three == 3 * one
+    three = Schedule.for_config(cfg, steps_per_epoch=1, harness_problems=32)
+    first_round = (cfg.harness.confirm_top + 1) * 32 * cfg.harness.confirm_samples
+    assert three.harness_phase_extra == one.harness_phase_extra == first_round
+    assert three.weight_phase_follows()  # the demo ends with a weight phase
+    step, budget = three.weight_step_cost, cfg.schedule.budget_rollouts
+    assert three.can_spend(Progress(budget_rollouts=budget - step - 100), 100)
+    assert not three.can_spend(Progress(budget_rollouts=budget - step - 99), 100)  # would take the weight step's
+    cfg.schedule.budget_rollouts = None
+    assert Schedule.for_config(cfg, 1, 32).can_spend(Progress(budget_rollouts=10 ** 9), 10 ** 6)

@@ -296,7 +296,7 @@ def write_report(run_dir: str | Path) -> Path:
         if has_accept:
             lines += ["![accept rate](accept_rate.png)", ""]
     harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error",
-                                                          "confirm", "null_probe")]
+                                                          "confirm", "confirm_stopped", "null_probe")]
     if harness_rows or accepted:
         lines += ["## Harness phase", "", f"Accepted harnesses, phase by phase: {' -> '.join(['h0'] + accepted)}", "",
                   "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]

@@ -468,9 +468,14 @@ class Experiment:
             self._sync_progress()
             return self.schedule.harness_phase_over(self.progress, 0)
 
+        def can_spend(rollouts: int) -> bool:
+            self._sync_progress()
+            return self.schedule.can_spend(self.progress, rollouts)
+
         self.unit = f"c{st['cycle']}-h"
         result = search.run_phase(st["harness_id"], st["weights_version"], iterations,
-                                  adaptive=cfg.schedule.adaptive, on_iteration=on_iteration, should_stop=should_stop)
+                                  adaptive=cfg.schedule.adaptive, on_iteration=on_iteration, should_stop=should_stop,
+                                  can_spend=can_spend)
         st["harness_id"] = result.accepted_id
         st["search"] = None
         self.progress.harness_phases += 1

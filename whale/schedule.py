@@ -102,12 +102,11 @@ class Schedule:
     def for_config(cls, cfg: Config, steps_per_epoch: int, harness_problems: int) -> "Schedule":
         """The schedule of `cfg` with its rollout costs: one harness iteration (M candidates on the
         harness split), one weight step, and a phase's confirmation re-run (the top candidates and
-        the incoming harness on fresh seeds, each of up to `confirm_rounds` rounds: the worst case is
-        reserved; none without confirmation)."""
+        the incoming harness on fresh seeds: its first round; none without confirmation). Later
+        rounds of a sequential confirmation are not reserved: they run only if `can_spend` allows."""
         h, w = cfg.harness, cfg.weight
         iteration_cost = h.candidates_per_iteration * harness_problems * h.samples_per_example
-        confirm_cost = ((h.confirm_top + 1) * harness_problems * h.confirm_samples * h.confirm_rounds
-                        if h.confirm_top else 0)
+        confirm_cost = (h.confirm_top + 1) * harness_problems * h.confirm_samples if h.confirm_top else 0
         return cls(cfg, steps_per_epoch, iteration_cost, w.problems_per_step * w.samples_per_problem, confirm_cost)
 
     @property
@@ -299,6 +298,16 @@ class Schedule:
             return False
         reserve = self.weight_step_cost if self.weight_phase_follows() else 0
         return left < self.harness_iteration_cost + self.harness_phase_extra + reserve
+
+    def can_spend(self, p: Progress, rollouts: int) -> bool:
+        """May a harness phase spend `rollouts` more on deciding (a further confirmation round)?
+        Only out of what is left after the weight step that must follow it, if one must: an extra
+        round never overruns the budget, and never takes the last weight phase's step (see above)."""
+        left = self.budget_left(p)
+        if left is None:
+            return True
+        reserve = self.weight_step_cost if self.weight_phase_follows() else 0
+        return left >= rollouts + reserve
 
     def harness_phase_ends_run(self) -> bool:
         """Kinds whose harness phase is their last: harness-only, and stagewise's second stage."""

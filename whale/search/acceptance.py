@@ -139,15 +139,20 @@ def choose(incoming: dict[str, float], candidates: dict[str, dict[str, float]], 
 
 
 def confirm_sequentially(draw: Callable[[str, int], dict[str, float]], incoming: str, chosen: list[str], *,
-                         alpha: float, margin: float = 0.0, rounds: int = 1
+                         alpha: float, margin: float = 0.0, rounds: int = 1,
+                         more: Callable[[list[str], int], bool] | None = None
                          ) -> tuple[dict[str, dict[str, float]], list[dict[str, dict[str, Any]]]]:
     """Rule 4: `draw(harness id, round index)` gives that harness's fresh per-problem rates of one
-    round. Returns the pooled rates of the candidates tested last and every round's tests, in order
-    (the last round's say which pass)."""
+    round; `more(candidates still ahead, round index)`, asked before every round after the first,
+    may refuse it (the budget), which ends the confirmation as it stands: a refused round only
+    removes chances to accept, so the bound holds. Returns the pooled rates of the candidates tested last and every
+    round's tests, in order (the last round's say which pass)."""
     base_rounds: list[dict[str, float]] = []
     cand_rounds: dict[str, list[dict[str, float]]] = {cid: [] for cid in chosen}
     alive, history, rates = list(chosen), [], {}
     for r in range(rounds):
+        if r and more is not None and not more(alive, r):
+            break
         base_rounds.append(draw(incoming, r))
         for cid in alive:
             cand_rounds[cid].append(draw(cid, r))

@@ -76,6 +76,7 @@ class HarnessSearch:
         self._resumed = False
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
+        self._can_spend: Callable[[int], bool] | None = None  # the budget's say on further confirmation rounds
         # the candidate whose rollouts the next ledger_callback counts, so the caller can key each
         # batch by the work that ran it (a batch run again after a kill is then recognised as redone)
         self.subject: str | None = None
@@ -100,14 +101,16 @@ class HarnessSearch:
     # ----- phase ---------------------------------------------------------------------------------
     def run_phase(self, incoming_id: str, weights_version: str, iterations: int | None = None, *,
                   adaptive: bool = False, on_iteration: Callable[[dict], None] | None = None,
-                  should_stop: Callable[[], bool] | None = None) -> PhaseResult:
+                  should_stop: Callable[[], bool] | None = None,
+                  can_spend: Callable[[int], bool] | None = None) -> PhaseResult:
         """Run (or resume) one harness phase. `should_stop()` is asked before every proposer
-        iteration (a unit boundary), so a rollout budget can end the phase early."""
+        iteration (a unit boundary), so a rollout budget can end the phase early; `can_spend(n)`
+        before every confirmation round after the first (n rollouts), so it cannot overrun it."""
         status = self.archive.meta(incoming_id)["status"]  # a clear KeyError for an unknown id
         if status in ("invalid", "duplicate"):
             raise ValueError(f"incoming harness {incoming_id} is {status} ({self.archive.meta(incoming_id)['reason']}); "
                              "a phase must start from a valid harness")
-        self._history, self._on_iteration = [], on_iteration
+        self._history, self._on_iteration, self._can_spend = [], on_iteration, can_spend
         st = self._state
         resume = self._resumed and st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version
         self._resumed = False
@@ -329,24 +332,42 @@ class HarnessSearch:
         """Sequential confirmation (acceptance.py, rules 2-4) on fresh rollouts; every round's tests
         emitted. Returns the pooled rates and the tests of the last round."""
         h = self.cfg.harness
+
+        def more(alive: list[str], round_index: int) -> bool:
+            key = self._fresh_key(version, round_index)  # rounds already run (a resumed phase) cost nothing
+            todo = [cid for cid in [incoming, *alive] if key not in (self.archive.meta(cid).get("confirm") or {})]
+            cost = len(todo) * len(self.harness_problems()) * h.confirm_samples
+            if not todo or self._can_spend is None or self._can_spend(cost):
+                return True
+            stopped.append(f"budget: no room for round {round_index + 1} ({cost} rollouts)")
+            return False
+
+        stopped: list[str] = []
+
         rates, history = confirm_sequentially(lambda cid, r: self._fresh(cid, version, r), incoming, chosen,
-                                              alpha=h.accept_alpha, margin=h.accept_margin, rounds=h.confirm_rounds)
+                                              alpha=h.accept_alpha, margin=h.accept_margin, rounds=h.confirm_rounds,
+                                              more=more)
         for r, tests in enumerate(history):
             extra = {"round": r + 1, "rounds": h.confirm_rounds} if h.confirm_rounds > 1 else {}
             for cid, test in tests.items():
                 self._emit({"event": "confirm", "iteration": self._state["done"], "id": cid, "incoming": incoming,
                             "fresh": True, **test, **extra})
+        for reason in stopped:
+            self._emit({"event": "confirm_stopped", "iteration": self._state["done"], "incoming": incoming, "reason": reason})
         return rates, history[-1]
 
     def _decision_key(self, version: str) -> str:
         """Fresh samples belong to one decision: this phase under these weights."""
         return f"{version}/p{self._state['phase']}"
 
+    def _fresh_key(self, version: str, round_index: int) -> str:
+        return self._decision_key(version) + (f"/r{round_index + 1}" if round_index else "")
+
     def _fresh(self, cid: str, version: str, round_index: int = 0) -> dict[str, float]:
         """Per-problem success on new seeds (ledger purpose `confirm`), cached in meta.json; each
         round of a sequential confirmation has its own seeds and cache key."""
         self.subject = cid
-        key = self._decision_key(version) + (f"/r{round_index + 1}" if round_index else "")
+        key = self._fresh_key(version, round_index)
         cached = (self.archive.meta(cid).get("confirm") or {}).get(key)
         if cached is not None:
             return cached["per_problem"]
