@@ -296,18 +296,18 @@ class Schedule:
         left = self.budget_left(p)
         if left is None:
             return False
-        reserve = self.weight_step_cost if self.weight_phase_follows() else 0
-        return left < self.harness_iteration_cost + self.harness_phase_extra + reserve
+        return left < self.harness_iteration_cost + self.harness_phase_extra + self._after_harness_reserve()
 
     def can_spend(self, p: Progress, rollouts: int) -> bool:
         """May a harness phase spend `rollouts` more on deciding (a further confirmation round)?
         Only out of what is left after the weight step that must follow it, if one must: an extra
         round never overruns the budget, and never takes the last weight phase's step (see above)."""
         left = self.budget_left(p)
-        if left is None:
-            return True
-        reserve = self.weight_step_cost if self.weight_phase_follows() else 0
-        return left >= rollouts + reserve
+        return left is None or left >= rollouts + self._after_harness_reserve()
+
+    def _after_harness_reserve(self) -> int:
+        """Rollouts a harness phase must leave: one weight step, where a weight phase follows."""
+        return self.weight_step_cost if self.weight_phase_follows() else 0
 
     def harness_phase_ends_run(self) -> bool:
         """Kinds whose harness phase is their last: harness-only, and stagewise's second stage."""

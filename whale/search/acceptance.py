@@ -145,8 +145,8 @@ def confirm_sequentially(draw: Callable[[str, int], dict[str, float]], incoming:
     """Rule 4: `draw(harness id, round index)` gives that harness's fresh per-problem rates of one
     round; `more(candidates still ahead, round index)`, asked before every round after the first,
     may refuse it (the budget), which ends the confirmation as it stands: a refused round only
-    removes chances to accept, so the bound holds. Returns the pooled rates of the candidates tested last and every
-    round's tests, in order (the last round's say which pass)."""
+    removes chances to accept, so the bound holds. Returns the pooled rates of the candidates
+    tested last and every round's tests, in order (the last round's say which pass)."""
     base_rounds: list[dict[str, float]] = []
     cand_rounds: dict[str, list[dict[str, float]]] = {cid: [] for cid in chosen}
     alive, history, rates = list(chosen), [], {}

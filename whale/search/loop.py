@@ -332,6 +332,7 @@ class HarnessSearch:
         """Sequential confirmation (acceptance.py, rules 2-4) on fresh rollouts; every round's tests
         emitted. Returns the pooled rates and the tests of the last round."""
         h = self.cfg.harness
+        stopped: list[str] = []  # why a round was refused, emitted after the rounds' tests
 
         def more(alive: list[str], round_index: int) -> bool:
             key = self._fresh_key(version, round_index)  # rounds already run (a resumed phase) cost nothing
@@ -341,8 +342,6 @@ class HarnessSearch:
                 return True
             stopped.append(f"budget: no room for round {round_index + 1} ({cost} rollouts)")
             return False
-
-        stopped: list[str] = []
 
         rates, history = confirm_sequentially(lambda cid, r: self._fresh(cid, version, r), incoming, chosen,
                                               alpha=h.accept_alpha, margin=h.accept_margin, rounds=h.confirm_rounds,
