@@ -126,3 +126,13 @@ def test_eval_names_a_setting_the_domain_ignores():
 ])
 def test_hub_is_forced_offline_only_for_the_embedded_default(sets, offline):
     assert hub_offline(load_config(None, sets)) is offline
+
+
+def test_run_takes_its_config_as_an_argument_or_as_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("harness:\n  confirm_round: 3\n")
+    for args in (["run", str(bad)], ["run", "--config", str(bad)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "did you mean 'confirm_rounds'" in " ".join(result.output.split()), result.output
+    result = CliRunner().invoke(app, ["run", str(bad), "--config", str(tmp_path / "other.yaml")])
+    assert result.exit_code == 2 and "two configs given" in " ".join(result.output.split()), result.output

@@ -19,6 +19,20 @@ def test_unknown_key_names_the_key(tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize("override, hint", [("harness.confirm_round=3", "did you mean 'confirm_rounds'"),
+                                            ("schedul.kind=gain", "did you mean 'schedule'"),
+                                            ("sampling.temprature=1", "did you mean 'temperature'")])
+def test_a_misspelt_key_suggests_the_near_one(override, hint):
+    with pytest.raises(ConfigError, match=hint):
+        load_config(None, [override])
+
+
+def test_an_unknown_key_with_nothing_near_suggests_nothing():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["weight.zzzz=1"])
+    assert "did you mean" not in str(err.value)
+
+
 def test_bad_value_names_key_and_value():
     with pytest.raises(ConfigError, match=r"config key 'sampling.temperature'.*-1"):
         load_config(None, ["sampling.temperature=-1"])

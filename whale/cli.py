@@ -172,6 +172,7 @@ def eval_cmd(
 @app.command("run")
 def run_cmd(
     config: Optional[str] = typer.Argument(None, help="config YAML"),
+    config_opt: Optional[str] = typer.Option(None, "--config", help="the same as CONFIG (as in `whale eval`)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
     out: Optional[str] = typer.Option(None, help="run directory (default runs/<name>)"),
     resume: Optional[str] = typer.Option(None, help="continue the run in this directory"),
@@ -179,6 +180,9 @@ def run_cmd(
     """Run WHALE or a baseline (schedule.kind) and write the run directory."""
     from whale.run import run_experiment
 
+    if config and config_opt and config != config_opt:
+        _fail(f"two configs given ({config} and --config {config_opt}); give one")
+    config = config or config_opt
     try:
         if resume:
             if config or set_:

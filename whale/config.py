@@ -7,6 +7,7 @@ so `--set weight.lr=1e-4` is a float and `--set eval.splits=[val,test]` a list).
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -258,12 +259,24 @@ class ConfigError(ValueError):
     """A config problem, already phrased for the user (key path and what is wrong)."""
 
 
+def _sibling_keys(loc: tuple) -> list[str]:
+    """The keys Config accepts next to the last one of `loc` (for "did you mean")."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        model = getattr(field, "annotation", None)
+        if not isinstance(model, type) or not issubclass(model, BaseModel):
+            return []
+    return list(model.model_fields)
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
+            near = difflib.get_close_matches(str(e["loc"][-1]), _sibling_keys(e["loc"]), n=1, cutoff=0.6)
+            lines.append(f"unknown config key '{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
         else:
             lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)
