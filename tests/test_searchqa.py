@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from whale.config import Config, ConfigError
-from whale.domains.base import SPLITS, Domain, EpisodeError, Problem
+from whale.domains.base import SPLITS, DataError, Domain, EpisodeError, Problem
 from whale.domains.searchqa import SearchQADomain
 from whale.domains.searchqa import factbook
 from whale.domains.searchqa.grading import (extract_answer, grade_em, grade_judge, grade_subspan,
@@ -653,3 +653,20 @@ def test_rerank_mechanism_lifts_top1_recall_on_the_real_index(domain):
     env = d.make_env(problems[0])
     assert len(ns["_RerankEnv"](env).search(problems[0].question, 3)) == 3  # as many as asked
     assert ns["_RerankEnv"](env).search("zzzz qqqq", 1) == []  # no match stays no match
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"question": "broken", "golden_answers": ', r"train.jsonl:3 is not valid JSON"),
+    ('["a", "list"]', r"row 3 of 'train' is a list"),
+    ('{"golden_answers": ["x"]}', r"row 3 of 'train' needs 'question' and 'golden_answers'"),
+])
+def test_a_malformed_row_is_a_data_error_naming_where(tmp_path, bad_line, message):
+    """A DataError is a ConfigError: `whale run` prints it as one line (exit 2), not a traceback."""
+    rows = [json.dumps(r) for r in _searchr1_rows()]
+    rows.insert(2, bad_line)
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = _searchr1_cfg()
+    cfg.domain.data_path = str(tmp_path / "train.jsonl")
+    with pytest.raises(DataError, match=message) as err:
+        SearchQADomain(cfg).load_splits()
+    assert isinstance(err.value, ConfigError)

@@ -21,7 +21,7 @@ from fake_vllm import FakeVLLM, read_log
 
 from whale.config import ConfigError, load_config
 from whale.engine.base import GenerationRequest, SamplingParams
-from whale.engine.openai import HTTPFailure, http_json
+from whale.engine.openai import http_json
 from whale.engine.vllm import VLLMEngine
 from whale.engine.vllm_server import GiB, VLLMServer, cpu_kv_cache_gib
 

@@ -32,7 +32,7 @@ def split_sizes(sizes: Any) -> dict[str, int]:
     out = {name: int(getattr(sizes, name)) for name in SPLITS}
     bad = [f"{k}={v}" for k, v in out.items() if v < 0]
     if bad:
-        raise ValueError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
+        raise DataError(f"domain.splits sizes must be >= 0 (got {', '.join(bad)})")
     return out
 
 
@@ -84,10 +84,10 @@ def deal_groups(groups: Sequence[list[T]], sizes: dict[str, int], names: Sequenc
                 rest.append(g)
         if room:
             remaining = sum(len(g) for g in rest)
-            raise ValueError(f"{what}: cannot fill the {name} split ({sizes[name]}) with whole groups of related "
-                             f"problems: {room} places left and {remaining} problems in {len(rest)} groups remain "
-                             f"(splits ask for {', '.join(f'{n}={sizes[n]}' for n in names)}); lower domain.splits "
-                             "or add data")
+            raise DataError(f"{what}: cannot fill the {name} split ({sizes[name]}) with whole groups of related "
+                            f"problems: {room} places left and {remaining} problems in {len(rest)} groups remain "
+                            f"(splits ask for {', '.join(f'{n}={sizes[n]}' for n in names)}); lower domain.splits "
+                            "or add data")
         if seed is not None:
             random.Random(f"{seed}:{name}").shuffle(taken)
         out[name], left = taken, rest
@@ -128,6 +128,14 @@ def refuse_unread_settings(domain: str, d: Any, fields: dict[str, Setting], opti
                               "remove it or change the mode")
 
 
+class DataError(ConfigError):
+    """Data a run cannot use (a missing file, a malformed row, a split it cannot fill), phrased for the user.
+
+    A ConfigError, so the command line prints it as one line and exits 2 instead of a traceback;
+    a ValueError, so callers that catch those still do.
+    """
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSON-lines file; a bad line is an error naming the file and line."""
     rows = []
@@ -137,7 +145,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
+                    raise DataError(f"{path}:{n} is not valid JSON: {e}") from None
     return rows
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator
 
 import chess
 
-from whale.domains.base import DEAL_ORDER, SPLITS, Problem, content_groups, deal_groups
+from whale.domains.base import DEAL_ORDER, SPLITS, DataError, Problem, content_groups, deal_groups
 
 PUZZLE_FILE = Path(__file__).with_name("puzzles.jsonl")
 SLICES = ("mateIn1", "easy", "all")
@@ -60,11 +60,11 @@ def make_problem(pid: str, fen: str, moves: list[str], rating: int, themes: list
     The question shows the position after moves[0], as Lichess does.
     """
     if len(moves) < 2:
-        raise ValueError(f"puzzle {pid}: needs the opponent's move and at least one solution move")
+        raise DataError(f"puzzle {pid}: needs the opponent's move and at least one solution move")
     try:
         board = position_after_first_move(fen, moves)
     except ValueError as e:  # python-chess's invalid FEN / move errors are ValueErrors
-        raise ValueError(f"puzzle {pid}: cannot apply the first move {moves[0]!r} to {fen!r} ({e})") from None
+        raise DataError(f"puzzle {pid}: cannot apply the first move {moves[0]!r} to {fen!r} ({e})") from None
     return Problem(
         id=f"lichess-{pid}",
         question=question_text(board, moves[0]),
@@ -81,7 +81,7 @@ def _row_to_record(row: dict[str, Any]) -> dict[str, Any]:
 
     pid, fen, moves = get("id", "PuzzleId"), get("fen", "FEN"), get("moves", "Moves")
     if pid is None or fen is None or moves is None:
-        raise ValueError(f"puzzle row needs PuzzleId/FEN/Moves (or id/fen/moves); got fields {sorted(row)}")
+        raise DataError(f"puzzle row needs PuzzleId/FEN/Moves (or id/fen/moves); got fields {sorted(row)}")
     themes = get("themes", "Themes") or ""
     moves = moves.split() if isinstance(moves, str) else list(moves)
     themes = themes.split() if isinstance(themes, str) else list(themes)
@@ -89,7 +89,7 @@ def _row_to_record(row: dict[str, Any]) -> dict[str, Any]:
     try:
         rating = int(float(rating)) if rating not in (None, "") else 0
     except (TypeError, ValueError):
-        raise ValueError(f"puzzle {pid}: rating {rating!r} is not a number") from None
+        raise DataError(f"puzzle {pid}: rating {rating!r} is not a number") from None
     return {"id": str(pid), "fen": str(fen).strip(), "moves": moves, "themes": themes, "rating": rating}
 
 
@@ -122,34 +122,34 @@ def iter_lichess(data_path: str, options: dict[str, Any]) -> Iterator[dict[str, 
             try:
                 import zstandard
             except ImportError:
-                raise ValueError(f"{path} is zstd-compressed; `pip install zstandard` or decompress it "
-                                 "(zstd -d) first") from None
+                raise DataError(f"{path} is zstd-compressed; `pip install zstandard` or decompress it "
+                                "(zstd -d) first") from None
             raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
             text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
         elif name.endswith(".csv"):
             text = open(path, encoding="utf-8", newline="")
         else:
-            raise ValueError(f"{path}: unsupported puzzle file (use .csv, .csv.gz, .csv.zst or .parquet)")
+            raise DataError(f"{path}: unsupported puzzle file (use .csv, .csv.gz, .csv.zst or .parquet)")
         with text:
             reader = csv.DictReader(text)
             if not reader.fieldnames or "FEN" not in reader.fieldnames or "Moves" not in reader.fieldnames:
-                raise ValueError(f"{path}: expected the Lichess header PuzzleId,FEN,Moves,Rating,...; "
-                                 f"got {reader.fieldnames}")
+                raise DataError(f"{path}: expected the Lichess header PuzzleId,FEN,Moves,Rating,...; "
+                                f"got {reader.fieldnames}")
             yield from (_row_to_record(r) for r in reader)
         return
     if path.is_dir():
-        raise ValueError(f"{path} is a folder; point domain.data_path at the puzzle CSV or parquet file")
+        raise DataError(f"{path} is a folder; point domain.data_path at the puzzle CSV or parquet file")
     if not name_looks_like_file(data_path) and re.fullmatch(r"[\w.-]+/[\w.-]+", data_path):
         try:
             import datasets
         except ImportError:
-            raise ValueError(f"'{data_path}' is not a local file, and loading it from the HF hub needs "
-                             "`pip install datasets`") from None
+            raise DataError(f"'{data_path}' is not a local file, and loading it from the HF hub needs "
+                            "`pip install datasets`") from None
         ds = datasets.load_dataset(data_path, split=options.get("hf_split", "train"),
                                    revision=options.get("hf_revision"), streaming=True)
         yield from (_row_to_record(dict(r)) for r in ds)
         return
-    raise ValueError(f"domain.data_path '{data_path}' is neither a puzzle file nor an HF dataset id")
+    raise DataError(f"domain.data_path '{data_path}' is neither a puzzle file nor an HF dataset id")
 
 
 class PuzzleFilter:
@@ -158,14 +158,14 @@ class PuzzleFilter:
     def __init__(self, options: dict[str, Any], default_slice: str):
         self.slice = options.get("slice", default_slice)
         if self.slice not in SLICES:
-            raise ValueError(f"domain.options.slice must be one of {', '.join(SLICES)} (got {self.slice!r})")
+            raise DataError(f"domain.options.slice must be one of {', '.join(SLICES)} (got {self.slice!r})")
         try:
             self.max_rating = int(options["max_rating"]) if options.get("max_rating") is not None else None
             self.min_rating = int(options["min_rating"]) if options.get("min_rating") is not None else None
             self.easy_rating = int(options.get("easy_rating", 1200))
             self.max_plies = int(options.get("max_plies", 9))
         except (TypeError, ValueError):
-            raise ValueError("domain.options max_rating/min_rating/easy_rating/max_plies must be integers") from None
+            raise DataError("domain.options max_rating/min_rating/easy_rating/max_plies must be integers") from None
         themes = options.get("themes")
         self.themes = set([themes] if isinstance(themes, str) else themes or [])
 
@@ -242,9 +242,9 @@ def build_splits(records: Iterable[dict[str, Any]], sizes: dict[str, int], seed:
     total = sum(sizes.values())
     chosen = select(records, filt, total, seed)
     if len(chosen) < total:
-        raise ValueError(f"{where}: only {len(chosen)} distinct puzzles match slice={filt.slice!r} and the "
-                         f"rating/theme/ply filters, but the splits ask for {total}; lower domain.splits "
-                         "or widen domain.options (slice: all, max_rating)")
+        raise DataError(f"{where}: only {len(chosen)} distinct puzzles match slice={filt.slice!r} and the "
+                        f"rating/theme/ply filters, but the splits ask for {total}; lower domain.splits "
+                        "or widen domain.options (slice: all, max_rating)")
     # `chosen` is in seeded hash order with the tiers mixed; dealing test first keeps the test set
     # unchanged when only the weight split grows (unless that pulls in puzzles of a later tier).
     groups = content_groups(chosen, solver_positions)

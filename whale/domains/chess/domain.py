@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import Problem, Setting, refuse_unread_settings, split_sizes
+from whale.domains.base import DataError, Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.chess import data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
@@ -73,7 +73,7 @@ class ChessDomain:
         self.options: dict[str, Any] = dict(cfg.domain.options)
         self.source = cfg.domain.source
         if self.source not in SOURCES:
-            raise ValueError(f"chess: unknown domain.source '{self.source}'; choose offline or lichess")
+            raise DataError(f"chess: unknown domain.source '{self.source}'; choose offline or lichess")
         if cfg.domain.grader not in GRADERS:
             raise ConfigError(f"chess: domain.grader must be one of {list(GRADERS)} (got {cfg.domain.grader!r})")
         refuse_unread_settings("chess", cfg.domain, FIELDS, OPTIONS)
@@ -93,8 +93,8 @@ class ChessDomain:
                 records, where = data.iter_vendored(), "the offline puzzle set"
             else:
                 if not self.cfg.domain.data_path:
-                    raise ValueError("chess: domain.source=lichess needs domain.data_path (the Lichess puzzle "
-                                     "CSV, .csv.gz, .csv.zst, parquet, or the HF id Lichess/chess-puzzles)")
+                    raise DataError("chess: domain.source=lichess needs domain.data_path (the Lichess puzzle "
+                                    "CSV, .csv.gz, .csv.zst, parquet, or the HF id Lichess/chess-puzzles)")
                 records = data.iter_lichess(self.cfg.domain.data_path, self.options)
                 where = f"the puzzles at {self.cfg.domain.data_path}"
             self._splits = data.build_splits(records, sizes, self.cfg.seed, self.filter, where)

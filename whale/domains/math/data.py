@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from whale.domains.base import DEAL_ORDER, SPLITS, Problem, read_jsonl
+from whale.domains.base import DEAL_ORDER, SPLITS, DataError, Problem, read_jsonl
 
 GSM8K_FILE = Path(__file__).with_name("gsm8k_test100.jsonl")
 GENERATED = ("arith_add", "arith_mul", "arith_mixed", "word")
@@ -143,7 +143,7 @@ GIVE_UP_AFTER = 5000  # draws in a row without a new expression: the generator i
 def expression_stream(source: str, seed: int, taken: set[str]) -> Iterator[Problem]:
     """Problems of one generator with expressions not in `taken` (which grows), in a fixed order for (source, seed)."""
     if source not in GENERATORS:
-        raise ValueError(f"unknown math generator '{source}'; choose from {', '.join(GENERATORS)}")
+        raise DataError(f"unknown math generator '{source}'; choose from {', '.join(GENERATORS)}")
     rng = random.Random(f"whale-math:{seed}:{source}")
     misses = 0
     while misses < GIVE_UP_AFTER:
@@ -159,8 +159,8 @@ def expression_stream(source: str, seed: int, taken: set[str]) -> Iterator[Probl
 def take(stream: Iterator[Problem], count: int, source: str, have: int = 0) -> list[Problem]:
     out = list(itertools.islice(stream, count))
     if len(out) < count:
-        raise ValueError(f"math generator '{source}' found only {have + len(out)} problems with distinct "
-                         f"expressions of the {have + count} asked; lower the split sizes or its mix share")
+        raise DataError(f"math generator '{source}' found only {have + len(out)} problems with distinct "
+                        f"expressions of the {have + count} asked; lower the split sizes or its mix share")
     return out
 
 
@@ -192,16 +192,16 @@ def allocate(total: int, weights: dict[str, float]) -> dict[str, int]:
 def parse_mix(options: dict[str, Any]) -> dict[str, float]:
     mix = options.get("mix", DEFAULT_MIX)
     if not isinstance(mix, dict) or not mix:
-        raise ValueError("domain.options.mix must be a mapping source -> share, e.g. {arith_add: 0.5, word: 0.5}")
+        raise DataError("domain.options.mix must be a mapping source -> share, e.g. {arith_add: 0.5, word: 0.5}")
     unknown = [k for k in mix if k not in OFFLINE_SOURCES]
     if unknown:
-        raise ValueError(f"domain.options.mix has unknown source(s) {unknown}; known: {', '.join(OFFLINE_SOURCES)}")
+        raise DataError(f"domain.options.mix has unknown source(s) {unknown}; known: {', '.join(OFFLINE_SOURCES)}")
     try:
         mix = {k: float(v) for k, v in mix.items()}
     except (TypeError, ValueError):
-        raise ValueError(f"domain.options.mix shares must be numbers (got {mix})") from None
+        raise DataError(f"domain.options.mix shares must be numbers (got {mix})") from None
     if any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise ValueError(f"domain.options.mix shares must be >= 0 with a positive sum (got {mix})")
+        raise DataError(f"domain.options.mix shares must be >= 0 with a positive sum (got {mix})")
     return {k: v for k, v in mix.items() if v > 0}
 
 
@@ -220,8 +220,8 @@ def offline_splits(sizes: dict[str, int], seed: int, options: dict[str, Any]) ->
         gsm = sorted(load_gsm8k_vendored(), key=lambda p: shuffle_key(seed, p))
         needed = sum(per_split[s]["gsm8k"] for s in DEAL_ORDER)
         if needed > len(gsm):
-            raise ValueError(f"the offline GSM8K set has {len(gsm)} problems but the splits ask for "
-                             f"{needed}; lower domain.options.mix.gsm8k or the split sizes")
+            raise DataError(f"the offline GSM8K set has {len(gsm)} problems but the splits ask for "
+                            f"{needed}; lower domain.options.mix.gsm8k or the split sizes")
         taken.update(content_key(p) for p in gsm)
     streams = {src: expression_stream(src, seed, taken) for src in GENERATED if src in mix}
     drawn = {src: 0 for src in mix}
@@ -254,7 +254,7 @@ def read_rows(data_path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
         if not files:
-            raise ValueError(f"no .jsonl, .json or .parquet files under {path}")
+            raise DataError(f"no .jsonl, .json or .parquet files under {path}")
         return [row for f in files for row in read_rows(str(f), options)]
     if path.is_file():
         if path.suffix == ".jsonl":
@@ -262,20 +262,20 @@ def read_rows(data_path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, list):
-                raise ValueError(f"{path}: expected a JSON list of rows")
+                raise DataError(f"{path}: expected a JSON list of rows")
             return data
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
             return pq.read_table(path).to_pylist()
-        raise ValueError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")
     if path.suffix in (".jsonl", ".json", ".parquet", ".csv", ".gz") or not _HF_ID.fullmatch(data_path):
-        raise ValueError(f"domain.data_path '{data_path}' is neither a file, a folder nor an HF dataset id")
+        raise DataError(f"domain.data_path '{data_path}' is neither a file, a folder nor an HF dataset id")
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"'{data_path}' is not a local path, and loading it from the HF hub needs "
-                         "`pip install datasets`") from None
+        raise DataError(f"'{data_path}' is not a local path, and loading it from the HF hub needs "
+                        "`pip install datasets`") from None
     ds = datasets.load_dataset(data_path, options.get("hf_config"), split=options.get("hf_split", "train"))
     return [dict(r) for r in ds]
 
@@ -283,7 +283,7 @@ def read_rows(data_path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
 def _gsm8k_answer(text: str) -> str:
     m = re.search(r"####\s*(.+?)\s*$", str(text))
     if m is None:
-        raise ValueError(f"GSM8K answer without a '#### N' line: {str(text)[-80:]!r}")
+        raise DataError(f"GSM8K answer without a '#### N' line: {str(text)[-80:]!r}")
     return m.group(1).replace(",", "").replace("$", "").strip()
 
 
@@ -301,30 +301,30 @@ def row_to_problem(kind: str, row: dict[str, Any]) -> Problem:
         if answer is None:
             answer = row.get("solution", row.get("answer"))
         if answer is None:
-            raise ValueError(f"DAPO row without reward_model.ground_truth or solution: {list(row)}")
+            raise DataError(f"DAPO row without reward_model.ground_truth or solution: {list(row)}")
         return _problem("dapo", question, str(answer).strip())
     if kind == "aime":
         question = row.get("problem", row.get("question"))
         if question is None or row.get("answer") is None:
-            raise ValueError(f"AIME row needs 'problem' (or 'question') and 'answer' fields: {list(row)}")
+            raise DataError(f"AIME row needs 'problem' (or 'question') and 'answer' fields: {list(row)}")
         year = row.get("year") or next(iter(re.findall(r"20\d\d", str(row.get("id", row.get("url", ""))))), "")
         source = f"aime{year}" if year else "aime"
         return _problem(source, str(question).strip(), str(row["answer"]).strip())
-    raise ValueError(f"unknown math source '{kind}'; choose offline, {', '.join(REAL_SOURCES)}")
+    raise DataError(f"unknown math source '{kind}'; choose offline, {', '.join(REAL_SOURCES)}")
 
 
 def load_real(kind: str, data_path: str | None, options: dict[str, Any]) -> list[Problem]:
     if not data_path:
-        raise ValueError(f"domain.source={kind} needs domain.data_path (a local file/folder or an HF dataset id)")
+        raise DataError(f"domain.source={kind} needs domain.data_path (a local file/folder or an HF dataset id)")
     problems = []
     for row in read_rows(data_path, options):
         try:
             problems.append(row_to_problem(kind, row))
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{data_path}: a row does not look like {kind} data ({type(e).__name__}: {e}); "
-                             f"fields: {sorted(row) if isinstance(row, dict) else type(row).__name__}") from None
+            raise DataError(f"{data_path}: a row does not look like {kind} data ({type(e).__name__}: {e}); "
+                            f"fields: {sorted(row) if isinstance(row, dict) else type(row).__name__}") from None
     if not problems:
-        raise ValueError(f"no problems found in {data_path}")
+        raise DataError(f"no problems found in {data_path}")
     return problems
 
 
@@ -356,8 +356,8 @@ def real_splits(kind: str, data_path: str | None, sizes: dict[str, int], seed: i
     for pool, names, where in groups:
         needed = sum(sizes[n] for n in names)
         if needed > len(pool):
-            raise ValueError(f"{where} has {len(pool)} distinct problems but splits {'+'.join(names)} "
-                             f"ask for {needed}; lower domain.splits")
+            raise DataError(f"{where} has {len(pool)} distinct problems but splits {'+'.join(names)} "
+                            f"ask for {needed}; lower domain.splits")
         start = 0
         for n in names:
             out[n] = pool[start : start + sizes[n]]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import Problem, Setting, refuse_unread_settings, split_sizes
+from whale.domains.base import DataError, Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.math import data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_math
@@ -71,8 +71,8 @@ class MathDomain:
         self.options: dict[str, Any] = dict(cfg.domain.options)
         self.source = cfg.domain.source
         if self.source != "offline" and self.source not in data.REAL_SOURCES:
-            raise ValueError(f"math: unknown domain.source '{self.source}'; choose offline, "
-                             f"{', '.join(data.REAL_SOURCES)}")
+            raise DataError(f"math: unknown domain.source '{self.source}'; choose offline, "
+                            f"{', '.join(data.REAL_SOURCES)}")
         if cfg.domain.grader not in GRADERS:
             raise ConfigError(f"math: domain.grader must be one of {list(GRADERS)} (got {cfg.domain.grader!r})")
         refuse_unread_settings("math", cfg.domain, FIELDS, OPTIONS)

@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.domains.base import DEAL_ORDER, SPLITS, Problem, content_groups, deal_groups, read_jsonl
+from whale.domains.base import DEAL_ORDER, SPLITS, DataError, Problem, content_groups, deal_groups, read_jsonl
 from whale.domains.searchqa.grading import gold_aliases
 from whale.domains.searchqa.retrieval import read_parquet
 
@@ -80,8 +80,8 @@ def cut_splits(pool: list[Problem], sizes: dict[str, int], seed: int, what: str,
     need = sum(sizes[n] for n in names)
     if need > len(pool):
         detail = ", ".join(f"{n}={sizes[n]}" for n in names)
-        raise ValueError(f"searchqa: {what} has {len(pool)} distinct questions but the splits ask for {need} "
-                         f"({detail}); lower domain.splits.* or add data")
+        raise DataError(f"searchqa: {what} has {len(pool)} distinct questions but the splits ask for {need} "
+                        f"({detail}); lower domain.splits.* or add data")
     groups = order_groups(content_groups(pool, entity_keys), seed, mix_sources)
     return deal_groups(groups, sizes, names, f"searchqa: {what}", seed=f"searchqa-order-{seed}")
 
@@ -119,11 +119,14 @@ def _gold(row: dict[str, Any]) -> list[str]:
 def rows_to_problems(rows: Iterable[dict[str, Any]], default_source: str) -> list[Problem]:
     out = []
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"searchqa: row {i + 1} of {default_source!r} is a {type(row).__name__}, not an object "
+                            "with 'question' and 'golden_answers'")
         question = str(row.get("question") or "").strip()
         gold = _gold(row)
         if not question or not gold:
-            raise ValueError(f"searchqa: row {i} of {default_source!r} needs 'question' and 'golden_answers' "
-                             f"(got keys {sorted(row)})")
+            raise DataError(f"searchqa: row {i + 1} of {default_source!r} needs 'question' and 'golden_answers' "
+                            f"(got keys {sorted(row)})")
         source = str(row.get("data_source") or default_source)
         rid = str(row.get("id", i))
         out.append(Problem(id=f"{source}:{rid}", question=question, answer=gold, source=source))
@@ -145,7 +148,7 @@ def load_searchr1(data_path: str, hf_split: str | None = None) -> list[Problem]:
     if p.exists():
         files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".json", ".parquet"))
         if not files:
-            raise ValueError(f"searchqa: {data_path!r} has no .jsonl/.json/.parquet files")
+            raise DataError(f"searchqa: {data_path!r} has no .jsonl/.json/.parquet files")
         problems = []
         for f in files:
             problems.extend(rows_to_problems(_read_rows(f), f.stem.split(".")[0]))
@@ -153,12 +156,12 @@ def load_searchr1(data_path: str, hf_split: str | None = None) -> list[Problem]:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"searchqa: data_path {data_path!r} is not a local path, and loading it from the HF hub "
-                         "needs `pip install datasets`") from None
+        raise DataError(f"searchqa: data_path {data_path!r} is not a local path, and loading it from the HF hub "
+                        "needs `pip install datasets`") from None
     try:
         ds = datasets.load_dataset(data_path, split=hf_split)
     except Exception as e:  # noqa: BLE001 - offline mode, unknown id, ...: one readable message
-        raise ValueError(f"searchqa: could not load {data_path!r} as a local path or HF dataset: {e}") from None
+        raise DataError(f"searchqa: could not load {data_path!r} as a local path or HF dataset: {e}") from None
     parts = [ds] if hf_split else [ds[name] for name in sorted(ds)]
     problems = []
     for part in parts:

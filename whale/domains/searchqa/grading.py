@@ -26,7 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
-from whale.domains.base import Problem
+from whale.domains.base import DataError, Problem
 
 GRADERS = ("em", "subspan", "judge")
 SUBSPAN_MAX_WORDS = 5
@@ -122,7 +122,7 @@ def grade_judge(problem: Problem, answer: str | None, *, model: str, base_url: s
 def judge_settings(judge_model: str | None, options: dict[str, Any]) -> dict[str, Any]:
     """Where the judge lives: options.judge_base_url, else $WHALE_JUDGE_BASE_URL, else $OPENAI_BASE_URL."""
     if not judge_model:
-        raise ValueError("searchqa: grader 'judge' needs domain.judge_model (e.g. gpt-4o-mini)")
+        raise DataError("searchqa: grader 'judge' needs domain.judge_model (e.g. gpt-4o-mini)")
     base_url = (options.get("judge_base_url") or os.environ.get("WHALE_JUDGE_BASE_URL")
                 or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1")
     return {"model": judge_model, "base_url": base_url,

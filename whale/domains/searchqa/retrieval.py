@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.domains.base import EpisodeError, read_jsonl
+from whale.domains.base import DataError, EpisodeError, read_jsonl
 
 _WORD = re.compile(r"\w\w+")
 
@@ -65,7 +65,7 @@ class BM25Retriever:
 
         self.passages = [{"title": p.get("title", ""), "text": p.get("text", "")} for p in passages]
         if not self.passages:
-            raise ValueError("searchqa: the BM25 corpus is empty")
+            raise DataError("searchqa: the BM25 corpus is empty")
         self._stopwords = _stopwords()
         tokens = [tokenize(f"{p['title']} {p['text']}", self._stopwords) for p in self.passages]
         self._bm25 = bm25s.BM25()
@@ -91,7 +91,7 @@ class HTTPRetriever:
 
     def __init__(self, url: str, timeout_s: float = 30.0):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"searchqa: retriever_url must start with http:// or https:// (got {url!r})")
+            raise DataError(f"searchqa: retriever_url must start with http:// or https:// (got {url!r})")
         self.url = url
         self.timeout_s = timeout_s
 
@@ -122,10 +122,10 @@ def load_corpus(path: str) -> list[dict[str, str]]:
     """A local passage corpus: jsonl (or parquet) rows with `contents` ('"Title"\\ntext') or title/text."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"searchqa: corpus_path {path!r} does not exist")
+        raise DataError(f"searchqa: corpus_path {path!r} does not exist")
     files = sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".parquet")) if p.is_dir() else [p]
     if not files:
-        raise ValueError(f"searchqa: corpus folder {path!r} has no .jsonl or .parquet files")
+        raise DataError(f"searchqa: corpus folder {path!r} has no .jsonl or .parquet files")
     rows: list[dict[str, Any]] = []
     for f in files:
         if f.suffix == ".parquet":
@@ -139,7 +139,7 @@ def load_corpus(path: str) -> list[dict[str, str]]:
         elif "text" in row:
             title, text = str(row.get("title", "")), str(row["text"])
         else:
-            raise ValueError(f"searchqa: corpus row needs 'contents' or 'text': {str(row)[:200]}")
+            raise DataError(f"searchqa: corpus row needs 'contents' or 'text': {str(row)[:200]}")
         passages.append({"title": title, "text": text})
     return passages
 
@@ -148,5 +148,5 @@ def read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow)") from None
+        raise DataError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow)") from None
     return pq.read_table(path).to_pylist()
