@@ -105,6 +105,12 @@ def test_a_retired_key_loads_from_an_old_run_and_is_an_error_when_set():
     assert config_from_dict(old).runner.concurrency == 8
     with pytest.raises(ConfigError, match="'runner.batch_window_ms' was removed: continuous batching"):
         load_config(None, ["runner.batch_window_ms=5"])
+    nested = {"runner": {"concurrency": 8, "sandbox": {"memory_mb": 512, "output_bytes": 1_000_000}}}
+    cfg = config_from_dict(nested)
+    assert (cfg.runner.concurrency, cfg.runner.sandbox.memory_mb) == (8, 512)
+    assert nested["runner"]["sandbox"]["output_bytes"] == 1_000_000  # the caller's tree is left as it was
+    with pytest.raises(ConfigError, match="'runner.sandbox.output_bytes' was removed: it was never read"):
+        load_config(None, ["runner.sandbox.output_bytes=10"])
 
 
 def test_demo_budget_keeps_its_last_weight_phase():

@@ -92,7 +92,6 @@ class SandboxConfig(_Strict):
     memory_mb: int = 1024
     max_processes: int = 16
     cpu_seconds: int = 120
-    output_bytes: int = 1_000_000
     extra_packages: list[str] = Field(default_factory=list, description="third-party packages harnesses may import")
 
 
@@ -319,20 +318,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(tree)
 
 
-# Keys that no longer exist: (section, key) -> (the default every earlier run dumped, why it went).
+# Keys that no longer exist: key path -> (the default every earlier run dumped, why it went).
 # A run directory's saved config (which lists every key at its value) still loads; a config that
 # set one to anything else is told what happened to it.
 RETIRED = {("runner", "batch_window_ms"): (20.0, "continuous batching in the engine replaced the "
-                                           "runner's static batcher; see runner.lockstep")}
+                                           "runner's static batcher; see runner.lockstep"),
+           ("runner", "sandbox", "output_bytes"): (1_000_000, "it was never read (an episode keeps the last "
+                                                   "4,000 characters it prints; files it writes are capped at 16 MiB)")}
 
 
 def _drop_retired(tree: dict[str, Any]) -> dict[str, Any]:
-    for (section, key), (dumped, why) in RETIRED.items():
-        part = tree.get(section)
+    for path, (dumped, why) in RETIRED.items():
+        parents = [tree]
+        for key in path[:-1]:
+            parents.append(parents[-1].get(key) if isinstance(parents[-1], dict) else None)
+        part, key = parents[-1], path[-1]
         if isinstance(part, dict) and key in part:
             if part[key] != dumped:
-                raise ConfigError(f"config key '{section}.{key}' was removed: {why}")
-            tree = {**tree, section: {k: v for k, v in part.items() if k != key}}
+                raise ConfigError(f"config key '{'.'.join(path)}' was removed: {why}")
+            rebuilt = {k: v for k, v in part.items() if k != key}
+            for parent, name in zip(reversed(parents[:-1]), reversed(path[:-1])):
+                rebuilt = {**parent, name: rebuilt}
+            tree = rebuilt
     return tree
 
 
