@@ -127,3 +127,36 @@ def test_demo_budget_keeps_its_last_weight_phase():
         + schedule.harness_phase_extra
     assert cfg.harness.confirm_samples >= 3  # one fresh sample per problem missed a true +0.13 (docs/results/demo/README.md)
     assert cfg.schedule.budget_rollouts - step - harness_phase == 5 * step
+
+
+def test_every_key_is_described_and_docs_config_md_is_current():
+    """docs/config.md is `whale config --reference`; a new key without a description, or a changed
+    default, fails here until the doc is regenerated (whale config --reference > docs/config.md)."""
+    from pydantic import BaseModel
+
+    from whale.config import config_reference
+
+    def undescribed(model, prefix=""):
+        for key, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from undescribed(field.annotation, f"{prefix}{key}.")
+            elif not field.description:
+                yield prefix + key
+
+    assert list(undescribed(Config)) == []
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    assert doc == config_reference() + "\n", "regenerate: whale config --reference > docs/config.md"
+    assert "| `harness.confirm_rounds` | int | `1` |" in doc
+
+
+def test_whale_config_prints_a_config_that_loads_back_the_same(tmp_path):
+    from typer.testing import CliRunner
+
+    from whale.cli import app
+
+    result = CliRunner().invoke(app, ["config", "--set", "seed=7", "--set", "harness.confirm_rounds=3"])
+    assert result.exit_code == 0, result.output
+    (tmp_path / "c.yaml").write_text(result.stdout)
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.seed, cfg.harness.confirm_rounds) == (7, 3)
+    assert cfg.model_dump() == load_config(None, ["seed=7", "harness.confirm_rounds=3"]).model_dump()

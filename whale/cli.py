@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from whale.config import Config, ConfigError, load_config
+from whale.config import Config, ConfigError, config_reference, dump_config, load_config
 from whale.engine.default_model import is_default_model
 
 # Before torch is imported: busy-waiting OpenMP threads make generation 5-10x slower when the
@@ -198,6 +198,22 @@ def run_cmd(
     except ConfigError as e:
         _fail(str(e))
     console.print(f"[green]done[/]: {run_dir}  (report: whale report {run_dir})")
+
+
+@app.command("config")
+def config_cmd(
+    config: Optional[str] = typer.Argument(None, help="config YAML (default: the defaults)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
+    reference: bool = typer.Option(False, "--reference", help="every key's type, default and description "
+                                   "(markdown; docs/config.md)"),
+):
+    """Print a config with every key resolved (what `whale run` would use), or the key reference."""
+    if reference:
+        if config or set_:
+            _fail("--reference describes every key; drop CONFIG and --set")
+        print(config_reference())
+        return
+    print(dump_config(_config(config, set_)), end="")
 
 
 @app.command("demo")

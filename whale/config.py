@@ -8,8 +8,9 @@ so `--set weight.lr=1e-4` is a float and `--set eval.splits=[val,test]` a list).
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -21,12 +22,16 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     name: str = Field("smollm2-135m", description="'smollm2-135m' (offline default), an HF id, or a local folder")
-    backend: Literal["hf", "vllm", "openai", "null"] = "hf"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    backend: Literal["hf", "vllm", "openai", "null"] = Field(
+        "hf", description="hf: transformers in this process; vllm: a vLLM server; openai: any OpenAI-compatible "
+        "endpoint (no training); null: a model that knows nothing (engine/null.py)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bf16 where it is fast (CUDA with bf16, CPUs with AVX512-bf16/AMX), else fp16 on "
+        "CUDA, fp32 on CPU")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ... (hf: the engine; vllm: the trainer)")
     base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
-    max_model_len: int = 4096
+    max_model_len: int = Field(4096, description="prompt + completion tokens one sequence may hold")
     max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
                                 "benchmarks/decode_width.py); vllm: requests in flight")
     mixed_forwards: bool = Field(True, description="hf on CPU: a join's prefill and the live rows' decode step "
@@ -48,9 +53,9 @@ class ModelConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = Field(20, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="applied first; 0: greedy")
+    top_k: int = Field(20, ge=0, description="then the k most likely tokens (0: all)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="then the nucleus of this mass")
     max_tokens: int = Field(256, ge=1, description="default per llm() call")
     max_tokens_cap: int = Field(1024, ge=1, description="largest max_tokens a harness may ask for")
 
@@ -58,18 +63,18 @@ class SamplingConfig(_Strict):
 class BudgetConfig(_Strict):
     """Per-episode limits, enforced by the parent."""
 
-    llm_calls: int = 8
-    tool_calls: int = 16
+    llm_calls: int = Field(8, description="model calls an episode may make")
+    tool_calls: int = Field(16, description="tool calls an episode may make")
     tokens: int = Field(8192, description="prompt + generated tokens over all calls")
     seconds: float = Field(60.0, description="harness wall time, excluding time queued for engine/tools")
     invalid_moves: int = Field(3, description="chess: refused moves before the episode ends")
 
 
 class SplitSizes(_Strict):
-    weight: int = 512
-    harness: int = 64
-    val: int = 64
-    test: int = 64
+    weight: int = Field(512, description="D_weight: problems the weight phase trains on")
+    harness: int = Field(64, description="D_harness: problems the search scores candidates on")
+    val: int = Field(64, description="selects the val-best (harness, weights) pair")
+    test: int = Field(64, description="reported only; never seen by training or search")
 
 
 class DomainConfig(_Strict):
@@ -80,18 +85,20 @@ class DomainConfig(_Strict):
     corpus_path: str | None = Field(None, description="searchqa: passage corpus (jsonl/parquet) for BM25")
     retriever_url: str | None = Field(None, description="searchqa: Search-R1 style /retrieve server")
     grader: str = Field("default", description="searchqa: em | subspan | judge; math: math_verify; chess: line")
-    judge_model: str | None = None
-    show_gold_in_traces: bool = False
+    judge_model: str | None = Field(None, description="searchqa grader judge: the OpenAI-compatible judge model")
+    show_gold_in_traces: bool = Field(False, description="proposers see gold answers in the traces; a candidate "
+                                      "that writes one of them into its code is refused")
     splits: SplitSizes = Field(default_factory=SplitSizes)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     options: dict[str, Any] = Field(default_factory=dict, description="domain-specific knobs")
 
 
 class SandboxConfig(_Strict):
-    mode: Literal["auto", "bwrap", "process"] = "auto"
-    memory_mb: int = 1024
-    max_processes: int = 16
-    cpu_seconds: int = 120
+    mode: Literal["auto", "bwrap", "process"] = Field(
+        "auto", description="auto: bubblewrap when it works, else process (with a warning); docs/sandbox.md")
+    memory_mb: int = Field(1024, description="address space of one episode; a sandbox's cgroup holds up to 8x")
+    max_processes: int = Field(16, description="processes one episode may run")
+    cpu_seconds: int = Field(120, description="CPU seconds one episode may use")
     extra_packages: list[str] = Field(default_factory=list, description="third-party packages harnesses may import")
 
 
@@ -102,38 +109,38 @@ class RunnerConfig(_Strict):
         "(engine/lockstep.py): 'all' rollouts, 'eval' only, or 'never'; bit-exact re-runs need it")
     lockstep_hold_s: float = Field(1.0, gt=0, description="the longest the engine waits for one episode's "
                                    "due call (a slow tool); past it the batch goes on, counted as not reproducible")
-    grader_processes: int = 2
+    grader_processes: int = Field(2, description="processes that grade episodes (graders may be slow: math-verify)")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
 
 class LoraConfig(_Strict):
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
+    r: int = Field(16, description="LoRA rank")
+    alpha: int = Field(32, description="LoRA scale numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, description="dropout on the LoRA branch")
+    target_modules: str | list[str] = Field("all-linear", description="PEFT target modules")
 
 
 class WeightConfig(_Strict):
     problems_per_step: int = Field(16, description="prompt batch (paper: 256)")
     samples_per_problem: int = Field(4, description="k rollouts per problem (paper: 8)")
-    accept_threshold: float = 0.5
-    finetune: Literal["lora", "full"] = "lora"
+    accept_threshold: float = Field(0.5, description="a rollout is trained on when its reward is above this")
+    finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters, or every weight (fp32 masters)")
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = Field(2e-4, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, description="optimizer steps of linear warmup")
     mini_batch_trajectories: int = Field(64, description="trajectories per optimizer step (paper: 64)")
     micro_batch_tokens: int = Field(4096, description="tokens per forward/backward (gradient accumulation)")
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    max_length: int = 4096
+    max_grad_norm: float = Field(1.0, description="gradient clipping")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    max_length: int = Field(4096, description="training rows are cut to this many tokens")
     keep_versions: int = Field(2, description="weights versions kept on disk besides the val-best")
 
 
 class PatienceConfig(_Strict):
-    window: int = 3
-    burn_in: int = 3
-    patience: int = 3
+    window: int = Field(3, description="steps the training accept rate is smoothed over")
+    burn_in: int = Field(3, description="steps before the phase may stop")
+    patience: int = Field(3, description="steps without a new phase-best that end the phase")
 
 
 class AgentBind(_Strict):
@@ -145,8 +152,10 @@ class AgentBind(_Strict):
 class HarnessSearchConfig(_Strict):
     initial: str | None = Field(None, description="harness file to start from instead of the domain's h0 "
                                 "(archived as a child of h0)")
-    proposer: Literal["mutation", "chat", "agent_cli"] = "mutation"
-    candidates_per_iteration: int = Field(3, description="M")
+    proposer: Literal["mutation", "chat", "agent_cli"] = Field(
+        "mutation", description="mutation: offline, picks mechanisms from a diagnosis of the traces; chat: an "
+        "OpenAI-compatible model with file tools; agent_cli: a coding-agent CLI in a sandboxed workspace")
+    candidates_per_iteration: int = Field(3, description="M: candidates the proposer writes per iteration")
     samples_per_example: int = Field(1, ge=1, description="k samples per harness-split problem when scoring a candidate")
     confirm_top: int = Field(2, ge=0, description="top candidates re-run on fresh seeds, with the incoming harness, "
                              "before one may replace it (0: decide on the selection traces)")
@@ -158,52 +167,59 @@ class HarnessSearchConfig(_Strict):
     accept_alpha: float = Field(0.05, gt=0, le=1, description="one-sided level of the paired sign-flip test "
                                 "(split over the candidates tested); also the null probe's level")
     accept_margin: float = Field(0.0, ge=0, description="paired gain in success rate a candidate must exceed")
-    prompt_only: bool = False
+    prompt_only: bool = Field(False, description="the search may edit only the prompt constants (the Fast-Slow "
+                              "control; schedule.kind prompt_only sets it)")
     agent: Literal["claude_code", "codex", "command"] = Field(
         "command", description="agent_cli: a preset invocation (claude_code, codex) or agent_command")
     agent_command: str | None = Field(None, description="agent 'command': shell command; {brief} {workspace} substituted")
     agent_model: str | None = Field(None, description="claude_code/codex: --model (the CLI's default if empty)")
-    agent_timeout_s: float = 2400
+    agent_timeout_s: float = Field(2400, description="agent_cli: seconds one proposal round may take")
     agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
                                  "besides the preset's; all others are scrubbed except PATH, HOME, LANG")
     agent_sandbox: Literal["bwrap", "none"] = Field(
         "bwrap", description="bwrap: only the workspace is visible and writable (an error if bubblewrap does not "
         "work); none: unsandboxed, see docs/sandbox.md")
     agent_binds: list[AgentBind] | None = Field(
-        None, description="host paths the sandboxed agent sees (its config); None: the preset's "
+        None, description="host paths the sandboxed agent sees (its config), each {path, mode: ro/rw/copy}; None: the preset's "
         "(claude_code: ~/.claude rw, ~/.claude.json copy; codex: ~/.codex rw)")
     workspace_root: str | None = Field(None, description="where proposer workspaces go (outside the run "
                                        "directory); default: a private folder in the system temp dir")
-    chat_model: str | None = None
-    chat_base_url: str | None = None
+    chat_model: str | None = Field(None, description="chat: the proposer model")
+    chat_base_url: str | None = Field(None, description="chat: its OpenAI-compatible endpoint")
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
-    chat_max_turns: int = 24
+    chat_max_turns: int = Field(24, description="chat: model turns per proposal round")
     chat_retries: int = Field(4, ge=0, description="chat: retries of a call on a timeout, dropped connection, 429 or 5xx")
     chat_backoff_s: float = Field(2.0, ge=0, description="chat: first retry wait, doubled each retry (max 60 s)")
     chat_history_turns: int = Field(16, ge=1, description="chat: turns sent besides the system and task messages")
     chat_history_tokens: int = Field(64_000, ge=1, description="chat: estimated tokens (4 chars each) of history sent")
-    null_probe_items: int = 64
+    null_probe_items: int = Field(64, description="problems the null-engine probe of a candidate runs")
     null_probe_min_drop: float = Field(0.0, description="the model's paired advantage over the null engine must "
                                        "exceed this and be shown at accept_alpha (unless the null engine scores 0)")
-    reject_flagged: bool = True
-    max_file_bytes: int = 50_000
-    smoke_examples: int = 2
-    min_iterations: int = 5
-    max_iterations: int = 15
-    patience: int = 2
+    reject_flagged: bool = Field(True, description="a candidate the null probe flags is not accepted (else only "
+                                 "recorded)")
+    max_file_bytes: int = Field(50_000, description="largest harness file a candidate may be")
+    smoke_examples: int = Field(2, description="episodes a candidate runs before it is scored (0: none)")
+    min_iterations: int = Field(5, description="adaptive: proposer iterations a harness phase runs at least")
+    max_iterations: int = Field(15, description="adaptive: and at most")
+    patience: int = Field(2, description="adaptive: iterations without a new best that end the phase")
 
 
 class ScheduleConfig(_Strict):
-    kind: Literal["whale", "weight_only", "harness_only", "prompt_only", "stagewise", "gain"] = "whale"
-    adaptive: bool = False
+    kind: Literal["whale", "weight_only", "harness_only", "prompt_only", "stagewise", "gain"] = Field(
+        "whale", description="which phases run when (schedule.py has the table); gain: the side with the higher "
+        "recent gain per rollout runs next")
+    adaptive: bool = Field(False, description="phases end by patience (weight_patience; harness.patience) "
+                           "instead of after E epochs / I iterations")
     weight_epochs: float = Field(0.6, description="E: weight-phase length in epochs of D_weight")
     harness_iterations: int = Field(6, description="I: includes re-scoring the incoming harness")
     weight_patience: PatienceConfig = Field(default_factory=PatienceConfig)
-    min_weight_steps: int = 1
-    budget_epochs: float | None = 4.0
-    budget_steps: int | None = None
-    budget_rollouts: int | None = None
-    end_with_weight_phase: bool = True
+    min_weight_steps: int = Field(1, description="adaptive: steps a weight phase runs at least")
+    budget_epochs: float | None = Field(4.0, description="weight steps of the whole run, in epochs of D_weight")
+    budget_steps: int | None = Field(None, description="weight steps of the whole run")
+    budget_rollouts: int | None = Field(None, description="rollouts of the whole run that count (training, "
+                                        "search, confirmation; not evaluation); the run ends at the first budget hit")
+    end_with_weight_phase: bool = Field(True, description="keep room for a weight step after the last harness "
+                                        "phase, so the run trains under the harness it accepted")
     repeat_harness_phases: bool = Field(False, description="harness_only: phases of harness_iterations each "
                                         "(accept + phase-end evaluation after each) until the rollout budget ends, "
                                         "so its accuracy-vs-rollouts curve has points")
@@ -213,8 +229,9 @@ class ScheduleConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    k: int = 8
-    splits: list[str] = Field(default_factory=lambda: ["val", "test"])
+    k: int = Field(8, description="samples per problem (mean@k, pass@k)")
+    splits: list[str] = Field(default_factory=lambda: ["val", "test"], description="splits evaluated at the start "
+                              "and the end (and between: intermediate_splits)")
     every_steps: int = Field(10, description="evaluate every N weight steps (0: never mid-phase)")
     at_phase_ends: bool = Field(True, description="evaluate at every phase boundary (else only at start and end)")
     limit: int | None = Field(None, description="evaluate on the first N problems of each split")
@@ -226,8 +243,9 @@ class EvalConfig(_Strict):
 
 
 class ComputeConfig(_Strict):
-    executor: Literal["local", "ray"] = "local"
-    ray_address: str | None = None
+    executor: Literal["local", "ray"] = Field("local", description="local: this process; ray: runner actors on a "
+                                              "Ray cluster (docs/scale-out.md)")
+    ray_address: str | None = Field(None, description="ray: the cluster to join (default: start a local one)")
 
 
 class LoggingConfig(_Strict):
@@ -240,8 +258,8 @@ class LoggingConfig(_Strict):
 
 
 class Config(_Strict):
-    name: str = "run"
-    seed: int = 0
+    name: str = Field("run", description="the run's name; its directory is runs/<name> unless --out says otherwise")
+    seed: int = Field(0, description="seeds the splits, every rollout's sampling and the search")
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     domain: DomainConfig = Field(default_factory=DomainConfig)
@@ -374,3 +392,43 @@ def refuse_ignored_settings(cfg: Config) -> None:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type as a reader writes it: `int | None`, `'hf' | 'vllm'`, `list[str]`."""
+    if get_origin(annotation) is Literal:
+        return " \\| ".join(repr(a) for a in get_args(annotation))
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return text.replace("typing.", "").replace("whale.config.", "").replace("NoneType", "None").replace("|", "\\|")
+
+
+def config_reference() -> str:
+    """Every config key with its type, default and description, as markdown (docs/config.md is
+    this text; tests/test_config.py fails when the two differ or a key has no description)."""
+    lines = ["# Config reference", "", "Every key `whale run` accepts, generated from whale/config.py by "
+             "`whale config --reference`. Set them in a YAML file or with `--set a.b=c`; a misspelt key is an "
+             "error naming the nearest one. `whale config CONFIG` prints a config with every key resolved.", ""]
+
+    def rows(model: type[BaseModel], prefix: str):
+        for key, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                yield from rows(sub, f"{prefix}{key}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = json.dumps(default.model_dump() if isinstance(default, BaseModel) else default)
+            text = (field.description or "").replace("|", "\\|")
+            yield f"| `{prefix}{key}` | {_type_name(sub)} | `{shown}` | {text} |"
+
+    top = [(k, f) for k, f in Config.model_fields.items()]
+    plain = [(k, f) for k, f in top if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
+    header = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    lines += header + [f"| `{k}` | {_type_name(f.annotation)} | `{json.dumps(f.default)}` | {f.description} |"
+                       for k, f in plain] + [""]
+    for key, field in top:
+        if (key, field) in plain:
+            continue
+        section = field.annotation
+        doc = " ".join((section.__doc__ or "").split())
+        lines += [f"## {key}", ""] + ([doc, ""] if doc else []) + header + list(rows(section, f"{key}.")) + [""]
+    return "\n".join(lines)
