@@ -195,7 +195,8 @@ def compare(args) -> Path | None:
     if not dirs:
         return None
     present = {m for m in args.methods if any(d.name.startswith(f"{m}-s") for d in dirs)}
-    path = compare_runs(dirs, Path(args.out) / "compare", references=[m for m in REFERENCES if m in present] or None)
+    path = compare_runs(dirs, Path(args.out) / "compare", references=[m for m in REFERENCES if m in present] or None,
+                        partial=True)  # a partial run is compared as it stands, marked (unfinished)
     if args.report:
         dest = Path(args.report)
         dest.mkdir(parents=True, exist_ok=True)

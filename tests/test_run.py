@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,19 @@ def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
     ho_row = next(line for line in per_seed if line.startswith("| harness_only |"))
     wo_row = next(line for line in per_seed if line.startswith("| weight_only |"))
     assert ", base)" in ho_row and "(h0, w" in wo_row  # what each run ended with: frozen weights / h0 kept
+
+    killed = tmp_path / "wo_killed"  # the same run as if killed before its end
+    shutil.copytree(wo, killed)
+    state = json.loads((killed / "state.json").read_text())
+    (killed / "state.json").write_text(json.dumps({**state, "finished": False}))
+    left_out = compare_runs([wo, ho, killed], tmp_path / "cmp4").read_text()
+    assert "Unfinished runs, left out" in left_out and "`wo_killed`" in left_out
+    assert next(ln for ln in left_out.splitlines() if ln.startswith("| weight_only | ")).split(" | ")[1] == "1"
+    included = compare_runs([wo, ho, killed], tmp_path / "cmp5", partial=True).read_text()
+    assert next(ln for ln in included.splitlines() if ln.startswith("| weight_only | ")).split(" | ")[1] == "2"
+    assert "(unfinished)" in included.split("Per seed")[1]
+    with pytest.raises(ConfigError, match="none of the 1 runs has finished"):
+        compare_runs([killed], tmp_path / "cmp6")
 
 
 def test_resume_refuses_changed_config(tiny_model_dir, tmp_path):

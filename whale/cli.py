@@ -252,12 +252,14 @@ def report_cmd(run_dir: str):
 @app.command("compare")
 def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="output folder"),
                 ref: list[str] = typer.Option([], "--ref", help="method to difference the others against "
-                                              "(repeatable; default: the first method)")):
+                                              "(repeatable; default: the first method)"),
+                partial: bool = typer.Option(False, "--partial", help="include unfinished runs as they stand "
+                                             "(marked); default: leave them out, named")):
     """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
     from whale.compare import compare_runs
 
     try:
-        path = compare_runs(run_dirs, out, references=ref or None)
+        path = compare_runs(run_dirs, out, references=ref or None, partial=partial)
     except ConfigError as e:
         _fail(str(e))
     console.print(Path(path).read_text())

@@ -43,24 +43,42 @@ def _final_test_per_problem(rows: list[dict]) -> list[float] | None:
     return test[-1]["per_problem"] if test else None
 
 
-def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", references: list[str] | None = None) -> Path:
-    """`references`: methods to difference every other method against (default: the first one)."""
+def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", references: list[str] | None = None,
+                 partial: bool = False) -> Path:
+    """`references`: methods to difference every other method against (default: the first one).
+
+    An unfinished run (killed, or still running) is left out unless `partial`: its last test
+    evaluation is not its final one, and mixed into means and paired differences it would read as
+    the method's result. Either way compare.md names it; with `partial` its cells say so."""
     if not run_dirs:
         raise ConfigError("compare needs at least one run directory")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     by_method: dict[str, list[dict]] = defaultdict(list)
+    unfinished = []
     for d in map(Path, run_dirs):
         rows, state, cfg = load_run(d)
+        if not state.get("finished"):
+            unfinished.append(d)
+            if not partial:
+                continue
         s = load_summary(d)
         by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
-                                        "per_problem": _final_test_per_problem(rows)})
+                                        "per_problem": _final_test_per_problem(rows),
+                                        "finished": bool(state.get("finished"))})
+    if not by_method:
+        raise ConfigError(f"none of the {len(unfinished)} runs has finished ({', '.join(map(str, unfinished))}); "
+                          "--partial compares them as they stand")
+    out.mkdir(parents=True, exist_ok=True)
     methods = list(by_method)
     references = [_reference(r, methods) for r in references or methods[:1]]
     lines = ["# Comparison", "", "Test mean@k; mean ± sd over seeds (n = runs). Initial: the first evaluation "
-             "(incoming harness, base weights). Budget rollouts = weight + harness search.", "",
-             "| method | runs | initial | best (test-selected) | final | val-selected | budget rollouts | all rollouts | wall time s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(incoming harness, base weights). Budget rollouts = weight + harness search.", ""]
+    if unfinished:
+        how = ("included as they stand: their \"final\" is their latest evaluation, marked (unfinished)"
+               if partial else "left out (whale compare --partial includes them)")
+        lines += [f"**Unfinished runs, {how}:** " + ", ".join(f"`{d.name}`" for d in unfinished), ""]
+    lines += ["| method | runs | initial | best (test-selected) | final | val-selected | budget rollouts | all rollouts "
+              "| wall time s |", "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         runs = by_method[m]
         cells = [_mean_sd([r["summary"].get(key) for r in runs]) for key in ("initial", "best", "final", "val_selected")]
@@ -181,10 +199,10 @@ def _per_seed_table(by_method: dict[str, list[dict]]) -> list[str]:
     for m, runs in by_method.items():
         cells = []
         for seed in seeds:
-            mine = [r["summary"] for r in runs if r["cfg"].get("seed") == seed]
-            cells.append("; ".join(f"{fmt(x.get('initial'))} → {fmt(x.get('final'))} "
-                                   f"({x.get('harness_id') or '?'}, {x.get('weights_version') or '?'})"
-                                   for x in mine) or "-")
+            mine = [r for r in runs if r["cfg"].get("seed") == seed]
+            cells.append("; ".join(f"{fmt(r['summary'].get('initial'))} → {fmt(r['summary'].get('final'))} "
+                                   f"({r['summary'].get('harness_id') or '?'}, {r['summary'].get('weights_version') or '?'})"
+                                   + ("" if r["finished"] else " (unfinished)") for r in mine) or "-")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
