@@ -122,6 +122,8 @@ def test_weight_only_and_harness_only_and_compare(tiny_model_dir, tmp_path):
     assert "(unfinished)" in included.split("Per seed")[1]
     with pytest.raises(ConfigError, match="none of the 1 runs has finished"):
         compare_runs([killed], tmp_path / "cmp6")
+    assert "**unfinished**" in write_report(killed).read_text()
+    assert "unfinished" not in write_report(wo).read_text()
 
 
 def test_resume_refuses_changed_config(tiny_model_dir, tmp_path):

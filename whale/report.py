@@ -253,7 +253,9 @@ def write_report(run_dir: str | Path) -> Path:
              f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
              f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
              f"grader: **{cfg.get('domain', {}).get('grader')}**",
-             f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s",
+             f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s" + (
+                 "" if state.get("finished") else f" (**unfinished**: 'final' below is its latest evaluation; "
+                 f"`whale run --resume {run_dir}` continues it)"),
              *[f"- engine server recovered in {r['unit']}: {r['reason']}{'' if r.get('ok') else ' (failed)'}"
                for r in rows if r.get("event") == "engine_recovered"], "",
              "## Test mean@k", "", "| initial | final | best (paper's, selected on test) | val-selected (honest) |",
