@@ -8,7 +8,8 @@ import torch
 
 from whale.engine import scheduler
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
-from whale.engine.hf import HFEngine
+from whale.engine import hf
+from whale.engine.hf import HFEngine, resolve_dtype
 from whale.engine.toolcalls import parse_tool_calls
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -179,6 +180,24 @@ def test_choices_sampling_follows_softmax(engine, monkeypatch):
     chunked = engine.choice_logprobs(gens[0].prompt_ids, CHOICES)
     assert engine.stats["prefill_forwards"] - forwards == len(CHOICES)
     assert torch.allclose(chunked, logp, atol=1e-4)
+
+
+@pytest.mark.parametrize("machine,avx512_bf16,amx,onednn,expected", [
+    ("x86_64", False, False, True, torch.float32),   # AVX-512 without BF16: oneDNN emulates bf16, ~3x slower
+    ("x86_64", True, False, True, torch.bfloat16),   # AVX512-BF16
+    ("x86_64", False, True, True, torch.bfloat16),   # AMX
+    ("x86_64", False, False, False, torch.float32),  # AVX2 only
+    ("aarch64", False, False, True, torch.bfloat16),  # Arm with the BF16 extension (oneDNN's ISA check)
+    ("aarch64", False, False, False, torch.float32),
+])
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_in_hardware(monkeypatch, machine, avx512_bf16, amx, onednn,
+                                                                  expected):
+    monkeypatch.setattr(hf.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    assert resolve_dtype("auto", torch.device("cpu")) is expected
+    assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16  # an explicit dtype is kept
 
 
 def test_tool_call_parsing():

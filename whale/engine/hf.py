@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import platform
 import secrets
 import threading
 from concurrent.futures import Future
@@ -61,11 +62,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX on x86, oneDNN's bf16 ISA check
+    elsewhere (Arm's BF16 extension).
+
+    Why not oneDNN's check alone on x86: it also says yes on plain AVX-512 (it emulates bf16 there),
+    and on such a CPU (an Intel Xeon with AVX-512 but no AVX512-BF16, 2026-12-04) a bf16 GEMM of the
+    default model's shapes ran about 3x slower than float32 (benchmarks/prepacked_linear.py), so
+    `dtype: auto` made every rollout slower. `model.dtype: bfloat16` still forces it."""
     try:
-        bf16_ok = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
-        bf16_ok = False
-    return torch.bfloat16 if bf16_ok else torch.float32
+        return False
 
 
 class HFEngine:
