@@ -8,6 +8,11 @@ own batched `model.generate` on the same prompts. The model has SmolLM2-135M's s
 nothing is downloaded; random weights rarely sample EOS, so every row runs to `max_tokens`.
 
     python scripts/gpu_engine_check.py [--device cuda] [--out results.json]
+    python scripts/gpu_engine_check.py --profile 8 64 [--device cuda]   # where a step's time goes
+
+`--profile` runs the engine and `model.generate` on the same prompts under torch.profiler (every
+thread: the engine's forwards run in its scheduler thread) and prints each one's top operators by
+host time and its CUDA kernel launches per generated token.
 """
 
 from __future__ import annotations
@@ -107,6 +112,42 @@ def throughput(model: Path, device: str, batches: list[int], max_tokens: int, re
     return out
 
 
+def profile_rows(model: Path, device: str, rows: list[int], max_tokens: int) -> None:
+    """Top host-side operators of the engine and of `model.generate` on the same prompts."""
+    import torch
+    from engine_generate import raw_generate
+    from torch.profiler import ProfilerActivity, profile
+    from whale.engine.base import SamplingParams
+    from whale.engine.hf import HFEngine
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        config = None
+    eng = HFEngine(str(model), dtype="auto", device=device, max_batch_size=max(rows), max_model_len=1024)
+    sampling = SamplingParams(temperature=1.0, top_k=20, max_tokens=max_tokens)
+    eng.generate(requests(4, 8), sampling)
+    raw_generate(eng, [[1, 2, 3]] * 4, SamplingParams(temperature=1.0, top_k=20, max_tokens=8))
+    for b in rows:
+        reqs = requests(b, max_tokens)
+        prompts = [g[0].prompt_ids for g in eng.generate(reqs, sampling)]
+        for name, run in (("engine", lambda: sum(g[0].completion_tokens for g in eng.generate(reqs, sampling))),
+                          ("model.generate", lambda: raw_generate(eng, prompts, sampling))):
+            eng.load_weights(None, eng.weights_version)  # empties the prefix cache
+            kwargs = {"experimental_config": config} if config is not None else {}
+            with profile(activities=activities, **kwargs) as prof:
+                t = time.perf_counter()
+                ntok = run()
+                dt = time.perf_counter() - t
+            events = prof.key_averages()
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+            print(f"\n== {name}, {b} rows: {ntok} tokens in {dt:.2f} s under the profiler ({ntok / dt:.0f} tok/s); "
+                  f"{launches / max(1, ntok / b):.0f} kernel launches per decode step", flush=True)
+            print(events.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -114,6 +155,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, nargs="*", default=None, help="profile at these row counts instead")
     args = ap.parse_args()
     import torch
 
@@ -122,6 +164,9 @@ def main() -> None:
             sys.exit("CUDA is not available here")
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for the invariance check
     model = smollm2_shaped(Path(tempfile.mkdtemp(prefix="whale-gpu-model-")))
+    if args.profile:
+        profile_rows(model, args.device, args.profile, args.max_tokens)
+        return
     result: dict = {"device": args.device, "torch": torch.__version__,
                     "name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"}
     result["invariance"] = []
