@@ -8,6 +8,7 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           sandbox and no tools: the ceiling the runner can reach
   unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
           rows' decode step as two forwards, as before engine/mixed.py)
+  unpacked the raw replay with every Linear on plain sgemm, as before engine/packed.py (float32)
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
           kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import queue
 import resource
@@ -86,13 +88,24 @@ def fresh_slab(engine):
 
 
 @contextlib.contextmanager
-def unmixed(engine):
-    """The hf engine without mixed forwards (read by the engine thread at every step)."""
-    saved, engine.mixed_forwards = engine.mixed_forwards, False
+def engine_setting(engine, name: str, value):
+    """The hf engine with attribute `name` set to `value` inside (its thread reads it at every step)."""
+    saved = getattr(engine, name)
+    setattr(engine, name, value)
     try:
         yield
     finally:
-        engine.mixed_forwards = saved
+        setattr(engine, name, saved)
+
+
+def unpacked(engine):
+    """Every Linear on plain sgemm, as before engine/packed.py."""
+    return engine_setting(engine, "packed_linears", None)
+
+
+def unmixed(engine):
+    """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
+    return engine_setting(engine, "mixed_forwards", False)
 
 
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
@@ -241,129 +254,222 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep")
+NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "fresh": {"runner", "raw"},
+         "waves": {"runner"},
+         "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
+
+
+def chosen_variants(names: str) -> set[str]:
+    """The variants to run (comma-separated, or "all") and those they are compared with."""
+    chosen = set(VARIANTS) if names == "all" else {n.strip() for n in names.split(",") if n.strip()}
+    unknown = chosen - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    for name in list(chosen):
+        chosen |= NEEDS[name]
+    return chosen
+
+
 def run_workload(name, args, limits) -> dict:
     n_eps = args.problems * args.k
+    variants = chosen_variants(args.variants)
     cfg, domain, problems, harness, sampling, engine = load_workload(
         name, args.problems, [f"runner.concurrency={min(args.concurrency, n_eps)}"])
     cfg_lockstep = cfg.model_copy(deep=True)
     cfg_lockstep.runner.lockstep = "all"
-    old = legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
-                        max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
+    old = (legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
+                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
+           if "legacy" in variants or args.before else None)
     recorder = Recorder(engine)
     runner = RolloutRunner(recorder, domain, cfg)
-    runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep)
+    runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep) if "lockstep" in variants else None
     before_runner = legacy_runner(old, domain, cfg) if args.before else None
     # warm-up at full size: fork server, grader pool, kernels, and the KV slab's kept storage (on CPU
     # a batch's first slab faults in fresh pages; every later batch of a run reuses them, engine/kv.py)
     runner.run(harness, problems, samples=args.k, seed=99)
-    runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
-    old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
+    if runner_lockstep is not None:
+        runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
+    if old is not None:
+        old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
     rows = []
     for rep in range(args.repeat):
-        recorder.requests = []
-        before = fresh(engine)
-        t0 = time.perf_counter()
-        trajs = runner.run(harness, problems, samples=args.k, seed=rep)
-        runner_s = time.perf_counter() - t0
-        runner_stats = delta(engine.stats, before)
-        episodes = episodes_of(recorder.requests, problems, args.k, rep, cfg.domain.budget.llm_calls)
-        before = fresh(engine)
-        raw_s, raw_cpu, raw_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
-        raw_stats = delta(engine.stats, before)
-        before = fresh(engine)
-        with unmixed(engine):
-            unmixed_s, unmixed_cpu, unmixed_gens = timed(replay_chained, engine, episodes, sampling,
-                                                         cfg.runner.concurrency)
-        unmixed_stats = delta(engine.stats, before)
-        fresh(engine)
-        with fresh_slab(engine):
-            fresh_s, fresh_cpu, fresh_gens = timed(replay_chained, engine, episodes, sampling, cfg.runner.concurrency)
-        same_fresh = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(raw_gens, fresh_gens))
-        fresh(engine)
-        waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
-        legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
-        same = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(waves_gens, legacy_gens))
-        same_unmixed = sum(a[0].completion_ids == b[0].completion_ids for a, b in zip(raw_gens, unmixed_gens))
-        fresh(engine)
-        t0 = time.perf_counter()
-        lockstep_trajs = runner_lockstep.run(harness, problems, samples=args.k, seed=rep)
-        lockstep_s = time.perf_counter() - t0
-        before_s = None
-        if before_runner is not None:
-            t0 = time.perf_counter()
-            before_runner.run(harness, problems, samples=args.k, seed=rep)
-            before_s = time.perf_counter() - t0
-        calls = sum(len(ep) for ep in episodes)
-        row = {
-            "episodes": len(trajs), "calls": calls, "errors": sum(1 for t in trajs if t.error),
-            "mean_reward": statistics.fmean(t.reward for t in trajs),
-            "runner_eps": len(trajs) / runner_s, "raw_eps": len(trajs) / raw_s,
-            "runner_over_raw": raw_s / runner_s,
-            "lockstep_eps": len(lockstep_trajs) / lockstep_s, "lockstep_over_runner": runner_s / lockstep_s,
-            "lockstep_breaks": runner_lockstep.last_lockstep_breaks,
-            "mixed_over_unmixed": (generated(raw_gens) / raw_s) / (generated(unmixed_gens) / unmixed_s),
-            "mixed_over_unmixed_cpu": (unmixed_cpu / generated(unmixed_gens)) / (raw_cpu / generated(raw_gens)),
-            "same_ids_mixed_unmixed": f"{same_unmixed}/{calls}",
-            "kept_over_fresh_slab": (generated(raw_gens) / raw_s) / (generated(fresh_gens) / fresh_s),
-            "kept_over_fresh_slab_cpu": (fresh_cpu / generated(fresh_gens)) / (raw_cpu / generated(raw_gens)),
-            "same_ids_kept_fresh_slab": f"{same_fresh}/{calls}", "fresh_slab_s": fresh_s,
-            "mixed_forwards": raw_stats["mixed_forwards"], "unmixed_engine": unmixed_stats,
-            "raw_tok_s": generated(raw_gens) / raw_s, "waves_tok_s": generated(waves_gens) / waves_s,
-            "legacy_tok_s": generated(legacy_gens) / legacy_s,
-            "raw_over_legacy": (generated(raw_gens) / raw_s) / (generated(legacy_gens) / legacy_s),
-            "waves_over_legacy": (generated(waves_gens) / waves_s) / (generated(legacy_gens) / legacy_s),
-            "legacy_s": legacy_s, "waves_s": waves_s, "raw_s": raw_s, "runner_s": runner_s,
-            "legacy_cpu_s": legacy_cpu, "waves_cpu_s": waves_cpu, "raw_cpu_s": raw_cpu,
-            "legacy_over_raw_cpu": (legacy_cpu / generated(legacy_gens)) / (raw_cpu / generated(raw_gens)),
-            "same_ids_as_legacy": f"{same}/{calls}",
-            "before_eps": len(trajs) / before_s if before_s else None,
-            "runner_over_before": before_s / runner_s if before_s else None,
-            "runner_engine": runner_stats, "raw_engine": raw_stats,
-        }
+        row = measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine, recorder, runner,
+                             runner_lockstep, old, before_runner)
         rows.append(row)
-        print(f"[{name} {rep}] runner {row['runner_eps']:.2f} ep/s, raw {row['raw_eps']:.2f} ep/s "
-              f"(runner/raw {row['runner_over_raw']:.2f}), lockstep {row['lockstep_eps']:.2f} ep/s "
-              f"(lockstep/runner {row['lockstep_over_runner']:.2f}, breaks {row['lockstep_breaks']}); tok/s raw {row['raw_tok_s']:.1f}, "
-              f"waves {row['waves_tok_s']:.1f}, legacy {row['legacy_tok_s']:.1f} "
-              f"(raw/legacy {row['raw_over_legacy']:.2f}, waves/legacy {row['waves_over_legacy']:.2f}; "
-              f"CPU s per token legacy/raw {row['legacy_over_raw_cpu']:.2f}); "
-              f"same ids as legacy {same}/{calls}; raw mixed/unmixed {row['mixed_over_unmixed']:.2f} "
-              f"(CPU {row['mixed_over_unmixed_cpu']:.2f}, {row['mixed_forwards']} mixed forwards, same ids "
-              f"{row['same_ids_mixed_unmixed']}); kept/fresh slab {row['kept_over_fresh_slab']:.2f} "
-              f"(CPU {row['kept_over_fresh_slab_cpu']:.2f}, same ids {row['same_ids_kept_fresh_slab']})"
-              + (f"; runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)"
-                 if before_s else ""), flush=True)
+        print(f"[{name} {rep}] " + describe(row), flush=True)
     runner.close()
-    runner_lockstep.close()
+    if runner_lockstep is not None:
+        runner_lockstep.close()
     if before_runner is not None:
         before_runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
           "slab_storage_peak_mib": engine.stats["slab_storage_peak_bytes"] / 2**20,
           "prefix_cache_peak_mib": engine.stats["prefix_peak_bytes"] / 2**20}
     engine.close()
-    old.close()
-    return {"workload": name, "repeats": rows, "kv": kv, "summary": summarize(rows, limits)}
+    if old is not None:
+        old.close()
+    return {"workload": name, "variants": sorted(variants), "repeats": rows, "kv": kv,
+            "summary": summarize(rows, limits)}
+
+
+def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine, recorder, runner,
+                   runner_lockstep, old, before_runner) -> dict:
+    """One repeat: the chosen variants in a fixed order on the calls the runner makes with seed `rep`."""
+    row: dict = {}
+    recorder.requests = []
+    before = fresh(engine)
+    t0 = time.perf_counter()
+    trajs = runner.run(harness, problems, samples=args.k, seed=rep)
+    runner_s = time.perf_counter() - t0
+    row.update(episodes=len(trajs), errors=sum(1 for t in trajs if t.error),
+               mean_reward=statistics.fmean(t.reward for t in trajs), runner_s=runner_s,
+               runner_eps=len(trajs) / runner_s, runner_engine=delta(engine.stats, before))
+    episodes = episodes_of(recorder.requests, problems, args.k, rep, cfg.domain.budget.llm_calls)
+    calls = row["calls"] = sum(len(ep) for ep in episodes)
+    concurrency = cfg.runner.concurrency
+
+    def same(a, b) -> str:
+        return f"{sum(x[0].completion_ids == y[0].completion_ids for x, y in zip(a, b))}/{calls}"
+
+    if "raw" in variants:
+        before = fresh(engine)
+        raw_s, raw_cpu, raw_gens = timed(replay_chained, engine, episodes, sampling, concurrency)
+        raw_tok = generated(raw_gens)
+        row.update(raw_s=raw_s, raw_cpu_s=raw_cpu, raw_eps=len(trajs) / raw_s, runner_over_raw=raw_s / runner_s,
+                   raw_tok_s=raw_tok / raw_s, raw_engine=delta(engine.stats, before))
+    def against_raw(name: str, setting) -> dict:
+        """The raw replay again under `setting`: raw tok/s over its tok/s (wall, and CPU per token),
+        and how many calls drew the same ids; `{name}_engine` holds its engine counters."""
+        before = fresh(engine)
+        with setting:
+            s, cpu, gens = timed(replay_chained, engine, episodes, sampling, concurrency)
+        return {name: (raw_tok / raw_s) / (generated(gens) / s), name + "_cpu": (cpu / generated(gens)) / (raw_cpu / raw_tok),
+                "same_ids_" + name: same(raw_gens, gens), name + "_s": s, name + "_engine": delta(engine.stats, before)}
+
+    if "unmixed" in variants:
+        row.update(against_raw("mixed_over_unmixed", unmixed(engine)),
+                   mixed_forwards=row["raw_engine"]["mixed_forwards"])
+    if "unpacked" in variants and engine.packed_linears is not None:
+        row.update(against_raw("packed_over_unpacked", unpacked(engine)))
+    if "fresh" in variants:
+        row.update(against_raw("kept_over_fresh_slab", fresh_slab(engine)))
+    if "waves" in variants:
+        fresh(engine)
+        waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
+        row.update(waves_s=waves_s, waves_cpu_s=waves_cpu, waves_tok_s=generated(waves_gens) / waves_s)
+    if "legacy" in variants:
+        legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
+        legacy_tok = generated(legacy_gens)
+        row.update(legacy_s=legacy_s, legacy_cpu_s=legacy_cpu, legacy_tok_s=legacy_tok / legacy_s,
+                   waves_over_legacy=row["waves_tok_s"] / (legacy_tok / legacy_s),
+                   same_ids_as_legacy=same(waves_gens, legacy_gens))
+        if "raw" in variants:
+            row.update(raw_over_legacy=(raw_tok / raw_s) / (legacy_tok / legacy_s),
+                       legacy_over_raw_cpu=(legacy_cpu / legacy_tok) / (raw_cpu / raw_tok))
+    if "lockstep" in variants:
+        fresh(engine)
+        t0 = time.perf_counter()
+        lockstep_trajs = runner_lockstep.run(harness, problems, samples=args.k, seed=rep)
+        lockstep_s = time.perf_counter() - t0
+        row.update(lockstep_eps=len(lockstep_trajs) / lockstep_s, lockstep_over_runner=runner_s / lockstep_s,
+                   lockstep_breaks=runner_lockstep.last_lockstep_breaks)
+    if before_runner is not None:
+        t0 = time.perf_counter()
+        before_runner.run(harness, problems, samples=args.k, seed=rep)
+        before_s = time.perf_counter() - t0
+        row.update(before_eps=len(trajs) / before_s, runner_over_before=before_s / runner_s)
+    return row
+
+
+def describe(row: dict) -> str:
+    """One repeat's line: whatever of it was measured."""
+    parts = [f"runner {row['runner_eps']:.2f} ep/s"]
+    if "raw_eps" in row:
+        parts.append(f"raw {row['raw_eps']:.2f} ep/s (runner/raw {row['runner_over_raw']:.2f})")
+    if "lockstep_eps" in row:
+        parts.append(f"lockstep {row['lockstep_eps']:.2f} ep/s (lockstep/runner {row['lockstep_over_runner']:.2f}, "
+                     f"breaks {row['lockstep_breaks']})")
+    if "legacy_tok_s" in row:
+        parts.append(f"tok/s raw {row.get('raw_tok_s', float('nan')):.1f}, waves {row['waves_tok_s']:.1f}, legacy "
+                     f"{row['legacy_tok_s']:.1f} (raw/legacy {row.get('raw_over_legacy', float('nan')):.2f}, waves/legacy "
+                     f"{row['waves_over_legacy']:.2f}; CPU s per token legacy/raw "
+                     f"{row.get('legacy_over_raw_cpu', float('nan')):.2f}); same ids as legacy {row['same_ids_as_legacy']}")
+    if "mixed_over_unmixed" in row:
+        parts.append(f"raw mixed/unmixed {row['mixed_over_unmixed']:.2f} (CPU {row['mixed_over_unmixed_cpu']:.2f}, "
+                     f"{row['mixed_forwards']} mixed forwards, same ids {row['same_ids_mixed_over_unmixed']})")
+    if "packed_over_unpacked" in row:
+        parts.append(f"raw packed/unpacked GEMMs {row['packed_over_unpacked']:.2f} (CPU "
+                     f"{row['packed_over_unpacked_cpu']:.2f}, same ids {row['same_ids_packed_over_unpacked']})")
+    if "kept_over_fresh_slab" in row:
+        parts.append(f"kept/fresh slab {row['kept_over_fresh_slab']:.2f} (CPU {row['kept_over_fresh_slab_cpu']:.2f}, "
+                     f"same ids {row['same_ids_kept_over_fresh_slab']})")
+    if "runner_over_before" in row:
+        parts.append(f"runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)")
+    return "; ".join(parts)
+
+
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+        15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
+    """Geometric mean of per-repeat ratios and its 95% t-interval (on the logs); None under 2 repeats.
+    Ratios are per repeat because each repeat measures its variants side by side."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    df = len(logs) - 1
+    t = T975[max(k for k in T975 if k <= df)]
+    m, half = statistics.fmean(logs), t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(m), math.exp(m - half), math.exp(m + half)
+
+
+RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
+          "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
+          "runner_over_before")
 
 
 def summarize(rows, limits) -> dict:
-    def mean(key):
-        return statistics.fmean(r[key] for r in rows)
-
-    st = rows[-1]["raw_engine"]
-    prefill_tps = st["prefill_tokens_computed"] / max(st["prefill_seconds"], 1e-9)
-    decode_tps = st["decode_tokens"] / max(st["decode_seconds"], 1e-9)
+    out: dict = {"runner_eps": statistics.fmean(r["runner_eps"] for r in rows)}
+    for key in RATIOS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[key] = statistics.fmean(values)
+            out[key + "_ci95"] = ratio_interval(values)
+    st = rows[-1].get("raw_engine") or rows[-1]["runner_engine"]
     live = st["decode_tokens"] / max(st["decode_steps"], 1)
-    return {
-        "mixed_over_unmixed": mean("mixed_over_unmixed"), "kept_over_fresh_slab": mean("kept_over_fresh_slab"),
-        "runner_over_raw": mean("runner_over_raw"), "lockstep_over_runner": mean("lockstep_over_runner"), "raw_over_legacy": mean("raw_over_legacy"),
-        "legacy_over_raw_cpu": mean("legacy_over_raw_cpu"),
-        "runner_over_before": mean("runner_over_before") if rows[0]["runner_over_before"] else None,
-        "waves_over_legacy": mean("waves_over_legacy"), "runner_eps": mean("runner_eps"), "raw_eps": mean("raw_eps"),
+    out.update({
         "prefill_computed_over_requested": st["prefill_tokens_computed"] / max(st["prefill_tokens_requested"], 1),
-        "prefill_tok_s": prefill_tps, "prefill_limit_tok_s": limits["prefill_limit_tok_s"],
-        "decode_tok_s": decode_tps, "mean_live_rows": live,
+        "prefill_tok_s": st["prefill_tokens_computed"] / max(st["prefill_seconds"], 1e-9),
+        "prefill_limit_tok_s": limits["prefill_limit_tok_s"],
+        "decode_tok_s": st["decode_tokens"] / max(st["decode_seconds"], 1e-9), "mean_live_rows": live,
         "decode_limit_tok_s": limits["decode_limit"](live),
-    }
+    })
+    return out
+
+
+def summary_line(r: dict) -> str:
+    s = r["summary"]
+
+    def ratio(key, label, unit="") -> str | None:
+        if key not in s:
+            return None
+        ci = s.get(key + "_ci95")
+        return f"{label} {s[key]:.2f}{unit}" + (f" (geo-mean {ci[0]:.2f}, 95% CI {ci[1]:.2f}-{ci[2]:.2f})" if ci else "")
+
+    parts = [ratio("runner_over_raw", "runner/raw"), ratio("lockstep_over_runner", "lockstep/runner"),
+             ratio("mixed_over_unmixed", "mixed/unmixed forwards"), ratio("packed_over_unpacked", "packed/unpacked GEMMs"),
+             ratio("kept_over_fresh_slab", "kept/fresh slab"),
+             ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
+             ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
+             ratio("runner_over_before", "runner vs 1c4ff05 runner", "x")]
+    parts += [f"prefill computed/requested {s['prefill_computed_over_requested']:.2f}",
+              f"prefill {s['prefill_tok_s']:.0f} tok/s (limit {s['prefill_limit_tok_s']:.0f})",
+              f"decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} rows (limit {s['decode_limit_tok_s']:.0f})",
+              f"KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab ({r['kv']['slab_storage_peak_mib']:.0f} MiB kept "
+              f"storage), {r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache"]
+    return f"{r['workload']:9s} " + " | ".join(p for p in parts if p)
 
 
 def main() -> None:
@@ -375,6 +481,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
+    ap.add_argument("--variants", default="all",
+                    help=f"comma-separated subset of {', '.join(VARIANTS)} (with what each is compared with), "
+                         "e.g. raw,legacy for more repeats of the engine ratio in the same time")
     args = ap.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
@@ -384,18 +493,7 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak RSS {peak:.0f} MiB (both engines and the runner), load now {os.getloadavg()[0]:.1f}")
     for r in results:
-        s = r["summary"]
-        print(f"{r['workload']:9s} runner/raw {s['runner_over_raw']:.2f} | mixed/unmixed forwards "
-              f"{s['mixed_over_unmixed']:.2f} | kept/fresh slab {s['kept_over_fresh_slab']:.2f} | "
-              f"engine tok/s vs 1c4ff05: chained "
-              f"{s['raw_over_legacy']:.2f}x, waves {s['waves_over_legacy']:.2f}x (CPU "
-              f"{s['legacy_over_raw_cpu']:.2f}x) | prefill computed/requested "
-              f"{s['prefill_computed_over_requested']:.2f} | prefill {s['prefill_tok_s']:.0f} tok/s (limit "
-              f"{s['prefill_limit_tok_s']:.0f}) | decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} "
-              f"rows (limit {s['decode_limit_tok_s']:.0f}) | KV peak {r['kv']['slab_peak_mib']:.0f} MiB slab "
-              f"({r['kv']['slab_storage_peak_mib']:.0f} MiB kept storage), "
-              f"{r['kv']['prefix_cache_peak_mib']:.0f} MiB prefix cache"
-              + (f" | runner vs 1c4ff05 runner {s['runner_over_before']:.2f}x" if s["runner_over_before"] else ""))
+        print(summary_line(r))
     if args.json:
         for r in results:
             r["summary"] = {k: v for k, v in r["summary"].items() if not callable(v)}

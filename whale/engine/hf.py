@@ -40,6 +40,8 @@ from whale.engine.base import (Generation, GenerationRequest, Recovery, Sampling
 from whale.engine.default_model import resolve_model_path
 from whale.engine.jobs import Job, Seq
 from whale.engine.lockstep import Lockstep
+from whale.engine.packed import PackedLinears
+from whale.engine.packed import available as packed_available
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -103,6 +105,7 @@ class HFEngine:
         max_model_len: int = 4096,
         prefix_cache_bytes: int = 1 << 30,
         mixed_forwards: bool = True,
+        packed_gemm: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +133,9 @@ class HFEngine:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.cache_kwarg = self._cache_kwarg()
+        # float32 on CPU: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
+        self.packed_linears = (PackedLinears() if packed_gemm and self.device.type == "cpu"
+                               and self.dtype == torch.float32 and packed_available() else None)
         self._adapter_count = 0  # names of adapters loaded beside another one
         # the fast tokenizer is one Rust object shared by callers' threads and the engine thread
         self._tok_lock = threading.Lock()

@@ -1,0 +1,79 @@
+"""Plain sgemm vs MKL-packed weights (whale/engine/packed.py) on the default model's Linear layers.
+
+One decode step's Linear work: the model's own float32 Linear layers (lm_head included) called in
+order on M rows, so each weight comes from memory as in a real step; plain `F.linear` and the
+packed GEMM alternate `--repeat` times, best of each. Also says, per M, whether the two give the
+same bits and whether a row's packed bits are those it gets in a full batch.
+
+    OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from machine import best_time  # noqa: E402
+from whale.engine import packed  # noqa: E402
+from whale.engine.default_model import resolve_model_path  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32,48,64,128,256")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    if not packed.available():
+        raise SystemExit("this torch has no MKL packed sgemm (packed.available() is False)")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    packs = [packed.pack_weight(lin.weight) for lin in linears]
+    pack_s = time.perf_counter() - t0
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    weights = sum(lin.weight.numel() * 4 for lin in linears) / 2**20
+    print(f"torch threads {torch.get_num_threads()}; {len(linears)} Linear weights, {weights:.0f} MiB; "
+          f"packing them took {pack_s:.2f} s and grew peak RSS by {grew:.0f} MiB")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in (int(r) for r in args.rows.split(",")):
+            inputs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen) for lin in linears}
+            flops = sum(2 * m * lin.in_features * lin.out_features for lin in linears)
+
+            def plain():
+                for lin in linears:
+                    torch.nn.functional.linear(inputs[lin.in_features], lin.weight)
+
+            def with_packs():
+                for lin, pk in zip(linears, packs):
+                    packed.packed_matmul(inputs[lin.in_features], pk, lin.out_features)
+
+            t_plain, t_packed = float("inf"), float("inf")
+            for _ in range(args.repeat):
+                t_plain = min(t_plain, best_time(plain, 1))
+                t_packed = min(t_packed, best_time(with_packs, 1))
+            lin, pk = linears[-1], packs[-1]
+            x = inputs[lin.in_features]
+            same_bits = torch.equal(torch.nn.functional.linear(x, lin.weight), packed.packed_matmul(x, pk, lin.out_features))
+            wide = torch.cat([x, torch.randn(256, lin.in_features, generator=gen)])
+            invariant = torch.equal(packed.packed_matmul(x, pk, lin.out_features),
+                                    packed.packed_matmul(wide, pk, lin.out_features)[:m])
+            print(f"M={m:4d}  plain {t_plain * 1e3:7.1f} ms ({flops / t_plain / 1e9:5.1f} GFLOP/s)  packed "
+                  f"{t_packed * 1e3:7.1f} ms ({flops / t_packed / 1e9:5.1f})  plain/packed {t_plain / t_packed:.2f}  "
+                  f"same bits as plain: {same_bits}  rows' bits as in 256 more: {invariant}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Linear layers on MKL-packed weights, for the hf engine's float32 forwards on CPU.
+
+Why: MKL's sgemm re-packs its B operand (here the weight) into its kernel's layout on every call.
+At prefill widths that is amortised over hundreds of rows; at the engine's decode widths (a few to
+64 live rows) it is a second pass over every weight at every step. Packing each weight once (MKL's
+`cblas_sgemm_pack`) and multiplying with `cblas_sgemm_compute` measured, over SmolLM2-135M's 210
+layer weights read from memory, one thread on a 2.8 GHz AVX-512 Xeon (benchmarks/packed_gemm.py):
+1.4-1.75x faster at 4-16 rows, 1.04-1.12x at 24-64, slower above 128 rows and at 1-3 rows.
+
+Numerics. Plain sgemm takes a small-matrix kernel under 16 rows, so on that CPU a row's outputs
+depended on how many rows shared its GEMM (a sample on its batch-mates, by a few float32 ulps).
+The packed compute gives each row the same bits at any number of rows (tests/test_packed_gemm.py),
+and the same bits as plain sgemm from 16 rows up. So the engine uses it up to `MAX_ROWS` rows, where
+it is faster, and plain sgemm above, where both give the same bits; a forward's Linear outputs then
+no longer depend on its batch-mates. Against the engine before this (plain sgemm everywhere), only
+the GEMMs of under 16 rows round differently: recorded ids change where a float32 ulp moves a
+sampled token across its inverse-CDF boundary (measured in docs/throughput.md).
+
+Where it applies: float32 weights and inputs on CPU, no bias, gradients off (the engine's forwards;
+the in-process trainer's forwards take the plain path), and a torch built with MKL that exports the
+packed GEMM (x86 wheels); elsewhere `available()` is False and nothing changes. Packs are keyed by
+the weight's storage and autograd version counter, so a weight changed in place (an optimizer step,
+a merged adapter) or swapped is packed again at its next use. Memory: one packed copy of each
+Linear weight used (SmolLM2-135M in float32: 0.5 GiB), up to `max_bytes` (an eighth of the
+machine's memory by default); the layers past it keep plain sgemm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 64  # packed up to this many rows (faster there); plain sgemm above (same bits, faster)
+MIN_WEIGHT_NUMEL = 1 << 16  # smaller Linears (LoRA's rank-r factors) gain nothing from packing
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # CBLAS enums
+_INT = ctypes.c_int  # MKL's LP64 interface (the cblas_* names; the ILP64 ones end in _64)
+
+
+def default_max_bytes() -> int:
+    """An eighth of the machine's memory: what packs may add to the model's own weights."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
+@lru_cache(maxsize=1)
+def _mkl() -> ctypes.CDLL | None:
+    """torch's own MKL (statically linked into libtorch_cpu), or None where it lacks the packed GEMM."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        get_size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+    except (OSError, AttributeError):
+        return None
+    get_size.restype, get_size.argtypes = ctypes.c_size_t, [_INT] * 4
+    pack.restype = None
+    pack.argtypes = [_INT] * 6 + [ctypes.c_float, ctypes.c_void_p, _INT, ctypes.c_void_p]
+    compute.restype = None
+    compute.argtypes = [_INT] * 6 + [ctypes.c_void_p, _INT, ctypes.c_void_p, _INT, ctypes.c_float, ctypes.c_void_p, _INT]
+    return lib
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether this torch runs packed float32 GEMMs correctly: MKL with `cblas_sgemm_compute` exported,
+    and one weight packed once giving x @ weight.T at every row count probed (MKL documents the pack
+    for the `m` it was made with; the engine calls it with 1 to MAX_ROWS rows, so this is checked,
+    not assumed)."""
+    if _mkl() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen)
+    packed = pack_weight(weight)
+    for m in (1, 2, 3, 5, 16, 17, MAX_ROWS):
+        x = torch.randn(m, 80, generator=gen)
+        if not torch.allclose(packed_matmul(x, packed, 96), x @ weight.T, rtol=1e-4, atol=1e-4):
+            return False
+    return True
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed form of `weight` [out, in] as the B operand of x @ weight.T (a flat byte buffer)."""
+    lib = _mkl()
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, MAX_ROWS, n, k)
+    buffer = torch.empty(size, dtype=torch.uint8)  # pages MKL does not write are never touched
+    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, MAX_ROWS, n, k, 1.0, weight.data_ptr(), k,
+                         buffer.data_ptr())
+    return buffer
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., in] @ weight.T from `pack_weight(weight)`: [..., out_features]."""
+    k = x.shape[-1]
+    a = x.reshape(-1, k).contiguous()
+    m = a.shape[0]
+    out = torch.empty((m, out_features), dtype=torch.float32)
+    if m:
+        _mkl().cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, out_features, k, a.data_ptr(), k,
+                                   packed.data_ptr(), k, 0.0, out.data_ptr(), out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PackedLinears:
+    """Packs of one model's Linear weights, and the forwards that use them (see the module docstring)."""
+
+    def __init__(self, min_weight_numel: int = MIN_WEIGHT_NUMEL, max_bytes: int | None = None):
+        self.min_weight_numel = min_weight_numel
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
+        self._packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (key, buffer, bytes)
+        self._lock = threading.Lock()
+        self.packed_weights = 0  # packs made (a weight's first use, and again after each change)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the packs hold, counted as their weights' bytes: MKL asks for a buffer up to ~4x
+        larger, but the pages it does not write are never touched (measured: resident memory grew by
+        the weights' size)."""
+        return sum(entry[2] for entry in list(self._packs.values()))
+
+    def _pack_of(self, module: torch.nn.Linear) -> torch.Tensor | None:
+        """The module's current pack, made now if its weight changed; None past `max_bytes`."""
+        weight = module.weight
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        with self._lock:
+            entry = self._packs.get(module)
+            if entry is None or entry[0] != key:
+                size = weight.numel() * weight.element_size()
+                if self.nbytes - (entry[2] if entry else 0) + size > self.max_bytes:
+                    return None
+                entry = (key, pack_weight(weight), size)
+                self._packs[module] = entry
+                self.packed_weights += 1
+            return entry[1]
+
+    def forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`module(x)`, on the packed weight where it applies, else exactly nn.Linear's forward."""
+        weight = module.weight
+        if (torch.is_grad_enabled() or module.bias is not None or x.dtype != torch.float32
+                or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
+                or x.numel() > MAX_ROWS * x.shape[-1]):
+            return torch.nn.functional.linear(x, weight, module.bias)
+        pack = self._pack_of(module)
+        if pack is None:
+            return torch.nn.functional.linear(x, weight, None)
+        return packed_matmul(x, pack, weight.shape[0])
+
+    @contextmanager
+    def installed(self, model: torch.nn.Module):
+        """Route `model`'s large nn.Linear layers through `forward` inside (the engine thread owns the
+        model then); the modules are as before afterwards."""
+        linears = [m for m in model.modules()
+                   if type(m) is torch.nn.Linear and m.weight.numel() >= self.min_weight_numel]
+        for m in linears:
+            m.forward = _Bound(self, m)
+        try:
+            yield
+        finally:
+            for m in linears:
+                m.__dict__.pop("forward", None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._packs.clear()
+
+
+class _Bound:
+    """`PackedLinears.forward` bound to one module without a reference cycle through the module."""
+
+    __slots__ = ("packs", "module")
+
+    def __init__(self, packs: PackedLinears, module: torch.nn.Linear):
+        self.packs, self.module = packs, weakref.ref(module)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packs.forward(self.module(), x)
