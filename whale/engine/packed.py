@@ -3,9 +3,11 @@
 Why: MKL's sgemm re-packs its B operand (here the weight) into its kernel's layout on every call.
 At prefill widths that is amortised over hundreds of rows; at the engine's decode widths (a few to
 64 live rows) it is a second pass over every weight at every step. Packing each weight once (MKL's
-`cblas_sgemm_pack`) and multiplying with `cblas_sgemm_compute` measured, over SmolLM2-135M's 210
-layer weights read from memory, one thread on a 2.8 GHz AVX-512 Xeon (benchmarks/packed_gemm.py):
-1.4-1.75x faster at 4-16 rows, 1.04-1.12x at 24-64, slower above 128 rows and at 1-3 rows.
+`cblas_sgemm_pack`) and multiplying with `cblas_sgemm_compute` measured, over SmolLM2-135M's 211
+Linear weights read from memory on a 2.8 GHz AVX-512 Xeon (benchmarks/packed_gemm.py): one thread
+1.46-1.92x faster at 4-16 rows, 1.27-1.41x at 24-64, 0.85-0.87x at 1-3 rows; two threads 1.8-2.7x
+at 4-32 rows. Above 64 rows two runs disagreed (1.06-1.13x, and 0.85-0.92x on random weights), so
+wider forwards (prefill, mixed forwards) keep plain sgemm.
 
 Numerics. Plain sgemm takes a small-matrix kernel under 16 rows, so on that CPU a row's outputs
 depended on how many rows shared its GEMM (a sample on its batch-mates, by a few float32 ulps).
