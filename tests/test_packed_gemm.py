@@ -129,3 +129,13 @@ def test_packs_stop_at_their_memory_budget():
     torch.testing.assert_close(got, want)
     assert 1 <= packs.packed_weights <= 2
     assert packs.nbytes <= packs.max_bytes
+
+
+def test_a_forward_replaced_by_someone_else_is_left_alone():
+    lin = torch.nn.Linear(64, 64, bias=False)
+    theirs = lambda x: x + 1  # noqa: E731 - e.g. an accelerate hook installed on the instance
+    lin.forward = theirs
+    packs = packed.PackedLinears(min_weight_numel=0)
+    with torch.no_grad(), packs.installed(torch.nn.Sequential(lin)):
+        assert torch.equal(lin(torch.zeros(2, 64)), torch.ones(2, 64))
+    assert lin.forward is theirs and packs.packed_weights == 0

@@ -160,9 +160,11 @@ class PackedLinears:
     @contextmanager
     def installed(self, model: torch.nn.Module):
         """Route `model`'s large nn.Linear layers through `forward` inside (the engine thread owns the
-        model then); the modules are as before afterwards."""
+        model then); the modules are as before afterwards. A module whose forward is already replaced
+        on the instance (accelerate's hooks do that) is left alone."""
         linears = [m for m in model.modules()
-                   if type(m) is torch.nn.Linear and m.weight.numel() >= self.min_weight_numel]
+                   if type(m) is torch.nn.Linear and m.weight.numel() >= self.min_weight_numel
+                   and "forward" not in m.__dict__]
         for m in linears:
             m.forward = _Bound(self, m)
         try:
