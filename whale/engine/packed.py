@@ -173,10 +173,6 @@ class PackedLinears:
             for m in linears:
                 m.__dict__.pop("forward", None)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._packs.clear()
-
 
 class _Bound:
     """`PackedLinears.forward` bound to one module without a reference cycle through the module."""
