@@ -109,12 +109,18 @@ def test_engine_samples_the_same_with_and_without_packed_weights(tiny_model_dir)
     assert got[True] == got[False]
 
 
-def test_engine_packs_only_float32_on_cpu(tiny_model_dir):
-    eng = HFEngine(str(tiny_model_dir), dtype="bfloat16", device="cpu", max_model_len=64)
-    try:
-        assert eng.packed_linears is None
-    finally:
-        eng.close()
+def test_engine_packs_float32_and_bfloat16_on_cpu_only(tiny_model_dir):
+    for dtype, packs in (("float16", False), ("bfloat16", packed.available(torch.bfloat16)), ("float32", True)):
+        eng = HFEngine(str(tiny_model_dir), dtype=dtype, device="cpu", max_model_len=64)
+        try:
+            assert (eng.packed_linears is not None) == packs, dtype
+        finally:
+            eng.close()
+        eng = HFEngine(str(tiny_model_dir), dtype=dtype, device="cpu", max_model_len=64, packed_gemm=False)
+        try:
+            assert eng.packed_linears is None
+        finally:
+            eng.close()
 
 
 def test_packs_stop_at_their_memory_budget():

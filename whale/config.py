@@ -37,9 +37,10 @@ class ModelConfig(_Strict):
     mixed_forwards: bool = Field(True, description="hf on CPU: a join's prefill and the live rows' decode step "
                                  "in one forward (docs/design.md); false gives the batch shapes, so the bf16 "
                                  "tokens, of records made before it")
-    packed_gemm: bool = Field(True, description="hf on CPU in float32: Linear layers of up to 64 rows on weights "
-                              "packed once for MKL (engine/packed.py); false: plain sgemm as before, which rounds "
-                              "differently under 16 rows (no sampled token changed in the runs measured)")
+    packed_gemm: bool = Field(True, description="hf on CPU in float32 or bfloat16: Linear layers of up to 64 rows "
+                              "on weights packed once (MKL for float32, oneDNN for bf16; engine/packed.py); false: "
+                              "the plain GEMM, which has the same bits in bf16 and rounds differently under 16 rows "
+                              "in float32 (no sampled token changed in the runs measured)")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")

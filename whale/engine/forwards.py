@@ -13,8 +13,9 @@ Three forwards, one per situation:
 - `mixed`: both at once, packed into one row (engine/mixed.py), when the step's decode can ride in
   its last prefill forward (`can_mix`, `mixable`): the weights are streamed once for both.
 
-In float32 on CPU every forward runs its Linear layers of up to 64 rows on MKL-packed weights
-(engine/packed.py, `model.packed_gemm`): decode steps, and prefill's lm_head over the kept rows.
+On CPU in float32 or bfloat16 every forward runs its Linear layers of up to 64 rows on weights
+packed once (engine/packed.py, `model.packed_gemm`): decode steps, and prefill's lm_head over the
+kept rows.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class Forwards:
         training = model.training
         if training:  # the trainer may have left it in train mode: sample without dropout
             model.eval()
-        packed = self.engine.packed_linears  # float32 on CPU: engine/packed.py
+        packed = self.engine.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
         try:
             with packed.installed(model) if packed is not None else nullcontext():
                 out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)

@@ -133,9 +133,9 @@ class HFEngine:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.cache_kwarg = self._cache_kwarg()
-        # float32 on CPU: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
-        self.packed_linears = (PackedLinears() if packed_gemm and self.device.type == "cpu"
-                               and self.dtype == torch.float32 and packed_available() else None)
+        # CPU, float32 or bfloat16: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
+        self.packed_linears = (PackedLinears(self.dtype) if packed_gemm and self.device.type == "cpu"
+                               and packed_available(self.dtype) else None)
         self._adapter_count = 0  # names of adapters loaded beside another one
         # the fast tokenizer is one Rust object shared by callers' threads and the engine thread
         self._tok_lock = threading.Lock()

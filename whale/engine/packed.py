@@ -1,30 +1,40 @@
-"""Linear layers on MKL-packed weights, for the hf engine's float32 forwards on CPU.
+"""Linear layers on packed weights, for the hf engine's CPU forwards in float32 and bfloat16.
 
-Why: MKL's sgemm re-packs its B operand (here the weight) into its kernel's layout on every call.
-At prefill widths that is amortised over hundreds of rows; at the engine's decode widths (a few to
-64 live rows) it is a second pass over every weight at every step. Packing each weight once (MKL's
-`cblas_sgemm_pack`) and multiplying with `cblas_sgemm_compute` measured, over SmolLM2-135M's 211
-Linear weights read from memory on a 2.8 GHz AVX-512 Xeon (benchmarks/packed_gemm.py): one thread
-1.46-1.92x faster at 4-16 rows, 1.27-1.41x at 24-64, 0.85-0.87x at 1-3 rows; two threads 1.8-2.7x
-at 4-32 rows. Above 64 rows two runs disagreed (1.06-1.13x, and 0.85-0.92x on random weights), so
-wider forwards (prefill, mixed forwards) keep plain sgemm.
+Why: a plain `F.linear` hands the GEMM library (MKL for float32, oneDNN for bfloat16) a weight in
+PyTorch's row-major layout, and the library re-packs it into its kernel's layout on every call. At
+prefill widths that is amortised over hundreds of rows; at the engine's decode widths (a few to 64
+live rows) it is a second pass over every weight at every step. Packing each weight once and
+multiplying with the packed form is faster there (benchmarks/packed_gemm.py, over SmolLM2-135M's
+211 Linear weights read from memory in model order):
 
-Numerics. Plain sgemm takes a small-matrix kernel under 16 rows, so on that CPU a row's outputs
-depended on how many rows shared its GEMM (a sample on its batch-mates, by a few float32 ulps).
-The packed compute gives each row the same bits at any number of rows (tests/test_packed_gemm.py),
-and the same bits as plain sgemm from 16 rows up. So the engine uses it up to `MAX_ROWS` rows, where
-it is faster, and plain sgemm above, where both give the same bits; a forward's Linear outputs then
-no longer depend on its batch-mates. Against the engine before this (plain sgemm everywhere), only
-the GEMMs of under 16 rows round differently: recorded ids change where a float32 ulp moves a
-sampled token across its inverse-CDF boundary (measured in docs/throughput.md).
+- float32, MKL (`cblas_sgemm_pack` / `cblas_sgemm_compute`), a 2.8 GHz AVX-512 Xeon: one thread
+  1.46-1.92x at 4-16 rows, 1.27-1.41x at 24-64, 0.85-0.87x at 1-3 rows; two threads 1.8-2.7x at
+  4-32 rows.
+- bfloat16, oneDNN (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`), a Xeon with
+  AMX: 1.3-1.56x at 1-64 rows on one thread, 1.38-1.53x on two.
 
-Where it applies: float32 weights and inputs on CPU, no bias, gradients off (the engine's forwards;
-the in-process trainer's forwards take the plain path), and a torch built with MKL that exports the
-packed GEMM (x86 wheels); elsewhere `available()` is False and nothing changes. Packs are keyed by
-the weight's storage and autograd version counter, so a weight changed in place (an optimizer step,
-a merged adapter) or swapped is packed again at its next use. Memory: one packed copy of each
-Linear weight used (SmolLM2-135M in float32: 0.5 GiB), up to `max_bytes` (an eighth of the
-machine's memory by default); the layers past it keep plain sgemm.
+Both are used up to `MAX_ROWS` rows (decode steps, prefill's lm_head over the kept rows); wider
+forwards keep the plain path (float32: two runs disagreed on a gain there; bfloat16: on two threads
+the packed and plain bits differ at some widths from 96 rows up).
+
+Numerics. bfloat16: the packed product has the plain product's bits, so nothing sampled changes;
+this is checked, not assumed: each weight, when packed, is multiplied both ways at several row
+counts and keeps the plain path if any bit differs (small matrices do: aten's own bf16 kernel
+serves them, not oneDNN). float32: plain sgemm takes a small-matrix kernel under 16 rows, so a
+row's outputs depended on how many rows shared its GEMM (a sample on its batch-mates, by a few
+ulps); the packed compute gives each row the same bits at any number of rows
+(tests/test_packed_gemm.py) and the plain bits from 16 rows up. Against plain sgemm everywhere, only
+GEMMs of under 16 rows round differently: recorded ids change where a float32 ulp moves a sampled
+token across its inverse-CDF boundary (measured in docs/throughput.md).
+
+Where it applies: float32 or bfloat16 weights and inputs on CPU, no bias, gradients off (the
+engine's forwards; the in-process trainer's forwards take the plain path), and a torch whose MKL
+exports the packed sgemm (float32) or whose oneDNN does bf16 (bfloat16); elsewhere
+`available(dtype)` is False and nothing changes. Packs are keyed by the weight's storage and
+autograd version counter, so a weight changed in place (an optimizer step, a merged adapter) or
+swapped is packed again at its next use. Memory: one packed copy of each Linear weight used
+(SmolLM2-135M: 0.5 GiB in float32, 0.25 GiB in bfloat16), up to `max_bytes` (an eighth of the
+machine's memory by default); the layers past it keep the plain path.
 """
 
 from __future__ import annotations
@@ -36,10 +46,12 @@ import weakref
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
-MAX_ROWS = 64  # packed up to this many rows (faster there); plain sgemm above (same bits, faster)
+MAX_ROWS = 64  # packed up to this many rows (faster there); the plain path above
+BITS_CHECK_ROWS = (1, 2, 5, 17, 24, MAX_ROWS)  # bfloat16: row counts at which a pack must give the plain bits
 MIN_WEIGHT_NUMEL = 1 << 16  # smaller Linears (LoRA's rank-r factors) gain nothing from packing
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # CBLAS enums
 _INT = ctypes.c_int  # MKL's LP64 interface (the cblas_* names; the ILP64 ones end in _64)
@@ -71,12 +83,17 @@ def _mkl() -> ctypes.CDLL | None:
     return lib
 
 
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch packs Linear weights of `dtype` (float32 or bfloat16); see `_KINDS`."""
+    kind = _KINDS.get(dtype)
+    return kind is not None and kind.available()
+
+
 @lru_cache(maxsize=1)
-def available() -> bool:
-    """Whether this torch runs packed float32 GEMMs correctly: MKL with `cblas_sgemm_compute` exported,
-    and one weight packed once giving x @ weight.T at every row count probed (MKL documents the pack
-    for the `m` it was made with; the engine calls it with 1 to MAX_ROWS rows, so this is checked,
-    not assumed)."""
+def _float32_available() -> bool:
+    """MKL with `cblas_sgemm_compute` exported, and one weight packed once giving x @ weight.T at
+    every row count probed (MKL documents the pack for the `m` it was made with; the engine calls it
+    with 1 to MAX_ROWS rows, so this is checked, not assumed)."""
     if _mkl() is None:
         return False
     gen = torch.Generator().manual_seed(0)
@@ -90,7 +107,7 @@ def available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed form of `weight` [out, in] as the B operand of x @ weight.T (a flat byte buffer)."""
+    """MKL's packed form of a float32 `weight` [out, in] as the B operand of x @ weight.T (a flat byte buffer)."""
     lib = _mkl()
     n, k = weight.shape
     weight = weight.detach().contiguous()
@@ -113,15 +130,62 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return out.view(*x.shape[:-1], out_features)
 
 
-class PackedLinears:
-    """Packs of one model's Linear weights, and the forwards that use them (see the module docstring)."""
+@lru_cache(maxsize=1)
+def _bfloat16_available() -> bool:
+    """oneDNN built in, doing bf16 on this CPU, with the prepacked-Linear ops torch's inductor uses."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
 
-    def __init__(self, min_weight_numel: int = MIN_WEIGHT_NUMEL, max_bytes: int | None = None):
+
+def pack_bfloat16_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed form of a bfloat16 `weight` [out, in], or None where its products would not
+    have the plain `F.linear` bits: both are computed at `BITS_CHECK_ROWS` rows on seeded inputs."""
+    weight = weight.detach().contiguous()
+    pack = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    gen = torch.Generator().manual_seed(weight.shape[0] * 7919 + weight.shape[1])
+    for m in BITS_CHECK_ROWS:
+        x = torch.randn(m, weight.shape[1], generator=gen).to(torch.bfloat16)
+        if not torch.equal(bfloat16_packed_matmul(x, pack), torch.nn.functional.linear(x, weight)):
+            return None
+    return pack
+
+
+def bfloat16_packed_matmul(x: torch.Tensor, pack: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+    """x [..., in] @ weight.T from `pack_bfloat16_weight(weight)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, pack, None, "none", [], "")
+
+
+class _Kind(NamedTuple):
+    """How one dtype's weights are packed and multiplied."""
+
+    available: Callable[[], bool]
+    pack: Callable[[torch.Tensor], torch.Tensor | None]  # None: keep the plain path for this weight
+    matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x, pack, out_features)
+
+
+_KINDS = {torch.float32: _Kind(_float32_available, pack_weight, packed_matmul),
+          torch.bfloat16: _Kind(_bfloat16_available, pack_bfloat16_weight, bfloat16_packed_matmul)}
+
+
+class PackedLinears:
+    """Packs of one model's Linear weights of one dtype, and the forwards that use them (see the
+    module docstring)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, min_weight_numel: int = MIN_WEIGHT_NUMEL,
+                 max_bytes: int | None = None):
+        if dtype not in _KINDS:
+            raise ValueError(f"packed Linear weights are float32 or bfloat16, not {dtype}")
+        self.dtype, self._kind = dtype, _KINDS[dtype]
         self.min_weight_numel = min_weight_numel
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
-        self._packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (key, buffer, bytes)
+        self._packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (key, pack, bytes)
         self._lock = threading.Lock()
         self.packed_weights = 0  # packs made (a weight's first use, and again after each change)
+        self.plain_weights = 0  # weights whose pack would not give the plain bits (bfloat16), kept plain
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +195,8 @@ class PackedLinears:
         return sum(entry[2] for entry in list(self._packs.values()))
 
     def _pack_of(self, module: torch.nn.Linear) -> torch.Tensor | None:
-        """The module's current pack, made now if its weight changed; None past `max_bytes`."""
+        """The module's current pack, made now if its weight changed; None past `max_bytes` or where
+        the pack would not give the plain bits (then remembered, and the weight runs plain)."""
         weight = module.weight
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         with self._lock:
@@ -140,22 +205,26 @@ class PackedLinears:
                 size = weight.numel() * weight.element_size()
                 if self.nbytes - (entry[2] if entry else 0) + size > self.max_bytes:
                     return None
-                entry = (key, pack_weight(weight), size)
+                pack = self._kind.pack(weight)
+                entry = (key, pack, size if pack is not None else 0)
                 self._packs[module] = entry
-                self.packed_weights += 1
+                if pack is None:
+                    self.plain_weights += 1
+                else:
+                    self.packed_weights += 1
             return entry[1]
 
     def forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)`, on the packed weight where it applies, else exactly nn.Linear's forward."""
         weight = module.weight
-        if (torch.is_grad_enabled() or module.bias is not None or x.dtype != torch.float32
-                or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
+        if (torch.is_grad_enabled() or module.bias is not None or x.dtype != self.dtype
+                or weight.dtype != self.dtype or x.device.type != "cpu" or weight.device.type != "cpu"
                 or x.numel() > MAX_ROWS * x.shape[-1]):
             return torch.nn.functional.linear(x, weight, module.bias)
         pack = self._pack_of(module)
         if pack is None:
             return torch.nn.functional.linear(x, weight, None)
-        return packed_matmul(x, pack, weight.shape[0])
+        return self._kind.matmul(x, pack, weight.shape[0])
 
     @contextmanager
     def installed(self, model: torch.nn.Module):
