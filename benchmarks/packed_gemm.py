@@ -1,11 +1,12 @@
-"""Plain sgemm vs MKL-packed weights (whale/engine/packed.py) on the default model's Linear layers.
+"""Plain GEMMs vs packed weights (whale/engine/packed.py) on the default model's Linear layers.
 
-One decode step's Linear work: the model's own float32 Linear layers (lm_head included) called in
-order on M rows, so each weight comes from memory as in a real step; plain `F.linear` and the
-packed GEMM alternate `--repeat` times, best of each. Also says, per M, whether the two give the
-same bits and whether a row's packed bits are those it gets in a full batch.
+One decode step's Linear work: the model's own Linear layers (lm_head included) in `--dtype`
+(float32: MKL's packed sgemm; bfloat16: oneDNN's packed weights) called in order on M rows, so each
+weight comes from memory as in a real step; plain `F.linear` and the packed GEMM alternate
+`--repeat` times, best of each. Also says, per M, whether the two give the same bits (every layer)
+and whether a row's packed bits are those it gets among 256 more rows (lm_head).
 
-    OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py
+    OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -33,23 +34,31 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32,48,64,128,256")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
-    if not packed.available():
-        raise SystemExit("this torch has no MKL packed sgemm (packed.available() is False)")
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    if not packed.available(dtype):
+        raise SystemExit(f"this torch cannot pack {args.dtype} weights (packed.available() is False)")
+    pack, matmul = ((packed.pack_weight, packed.packed_matmul) if dtype == torch.float32
+                    else (packed.pack_bfloat16_weight, packed.bfloat16_packed_matmul))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=dtype)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    packs = [packed.pack_weight(lin.weight) for lin in linears]
+    packs = [pack(lin.weight) for lin in linears]
     pack_s = time.perf_counter() - t0
     grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    weights = sum(lin.weight.numel() * 4 for lin in linears) / 2**20
-    print(f"torch threads {torch.get_num_threads()}; {len(linears)} Linear weights, {weights:.0f} MiB; "
-          f"packing them took {pack_s:.2f} s and grew peak RSS by {grew:.0f} MiB")
+    weights = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) / 2**20
+    kept_plain = sum(pk is None for pk in packs)
+    print(f"torch threads {torch.get_num_threads()}; {len(linears)} {args.dtype} Linear weights, {weights:.0f} MiB; "
+          f"packing them took {pack_s:.2f} s and grew peak RSS by {grew:.0f} MiB; {kept_plain} kept plain "
+          f"(their packs would change bits)")
+    if kept_plain:
+        raise SystemExit("some weights could not be packed with the plain bits; the timing would mix paths")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in (int(r) for r in args.rows.split(",")):
-            inputs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen) for lin in linears}
+            inputs = {lin.in_features: torch.randn(m, lin.in_features, generator=gen).to(dtype) for lin in linears}
             flops = sum(2 * m * lin.in_features * lin.out_features for lin in linears)
 
             def plain():
@@ -58,18 +67,19 @@ def main() -> None:
 
             def with_packs():
                 for lin, pk in zip(linears, packs):
-                    packed.packed_matmul(inputs[lin.in_features], pk, lin.out_features)
+                    matmul(inputs[lin.in_features], pk, lin.out_features)
 
             t_plain, t_packed = float("inf"), float("inf")
             for _ in range(args.repeat):
                 t_plain = min(t_plain, best_time(plain, 1))
                 t_packed = min(t_packed, best_time(with_packs, 1))
+            same_bits = all(torch.equal(torch.nn.functional.linear(inputs[lin.in_features], lin.weight),
+                                        matmul(inputs[lin.in_features], pk, lin.out_features))
+                            for lin, pk in zip(linears, packs))
             lin, pk = linears[-1], packs[-1]
             x = inputs[lin.in_features]
-            same_bits = torch.equal(torch.nn.functional.linear(x, lin.weight), packed.packed_matmul(x, pk, lin.out_features))
-            wide = torch.cat([x, torch.randn(256, lin.in_features, generator=gen)])
-            invariant = torch.equal(packed.packed_matmul(x, pk, lin.out_features),
-                                    packed.packed_matmul(wide, pk, lin.out_features)[:m])
+            wide = torch.cat([x, torch.randn(256, lin.in_features, generator=gen).to(dtype)])
+            invariant = torch.equal(matmul(x, pk, lin.out_features), matmul(wide, pk, lin.out_features)[:m])
             print(f"M={m:4d}  plain {t_plain * 1e3:7.1f} ms ({flops / t_plain / 1e9:5.1f} GFLOP/s)  packed "
                   f"{t_packed * 1e3:7.1f} ms ({flops / t_packed / 1e9:5.1f})  plain/packed {t_plain / t_packed:.2f}  "
                   f"same bits as plain: {same_bits}  rows' bits as in 256 more: {invariant}", flush=True)

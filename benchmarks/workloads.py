@@ -8,7 +8,7 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           sandbox and no tools: the ceiling the runner can reach
   unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
           rows' decode step as two forwards, as before engine/mixed.py)
-  unpacked the raw replay with every Linear on plain sgemm, as before engine/packed.py (float32)
+  unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
           kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
