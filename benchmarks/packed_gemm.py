@@ -7,6 +7,9 @@ weight comes from memory as in a real step; plain `F.linear` and the packed GEMM
 and whether a row's packed bits are those it gets among 256 more rows (lm_head).
 
     OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py [--dtype bfloat16]
+
+`--bits-scan` instead compares packed and plain bits, one weight of each shape, at every width
+1-129 and every 8th up to 1096: where the packs could serve beyond MAX_ROWS without changing ids.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32,48,64,128,256")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--bits-scan", action="store_true")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     if not packed.available(dtype):
@@ -55,6 +59,9 @@ def main() -> None:
           f"(their packs would change bits)")
     if kept_plain:
         raise SystemExit("some weights could not be packed with the plain bits; the timing would mix paths")
+    if args.bits_scan:
+        bits_scan(linears, packs, matmul, dtype)
+        return
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in (int(r) for r in args.rows.split(",")):
@@ -83,6 +90,22 @@ def main() -> None:
             print(f"M={m:4d}  plain {t_plain * 1e3:7.1f} ms ({flops / t_plain / 1e9:5.1f} GFLOP/s)  packed "
                   f"{t_packed * 1e3:7.1f} ms ({flops / t_packed / 1e9:5.1f})  plain/packed {t_plain / t_packed:.2f}  "
                   f"same bits as plain: {same_bits}  rows' bits as in 256 more: {invariant}", flush=True)
+
+
+def bits_scan(linears, packs, matmul, dtype) -> None:
+    """Widths at which a packed product's bits differ from plain `F.linear`'s, per weight shape."""
+    one_per_shape = {}
+    for lin, pk in zip(linears, packs):
+        one_per_shape.setdefault(tuple(lin.weight.shape), (lin, pk))
+    widths = list(range(1, 130)) + list(range(136, 1100, 8))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for shape, (lin, pk) in one_per_shape.items():
+            differ = [m for m in widths
+                      if not torch.equal(matmul(x := torch.randn(m, shape[1], generator=gen).to(dtype), pk, shape[0]),
+                                         torch.nn.functional.linear(x, lin.weight))]
+            print(f"weight {shape[0]}x{shape[1]}: {len(widths)} widths, packed bits differ from plain at "
+                  f"{len(differ)}: {differ}", flush=True)
 
 
 if __name__ == "__main__":
