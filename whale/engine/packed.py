@@ -11,7 +11,8 @@ multiplying with the packed form is faster there (benchmarks/packed_gemm.py, ove
   1.46-1.92x at 4-16 rows, 1.27-1.41x at 24-64, 0.85-0.87x at 1-3 rows; two threads 1.8-2.7x at
   4-32 rows.
 - bfloat16, oneDNN (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`), a Xeon with
-  AMX: 1.3-1.56x at 1-64 rows on one thread, 1.38-1.53x on two.
+  AMX: 1.31-1.58x at 1-64 rows on one thread, 1.34-1.48x on two (a whole search-QA replay: 1.05x
+  [1.03, 1.08] at one thread, no effect shown at two; docs/throughput.md).
 
 Both are used up to `MAX_ROWS` rows (decode steps, prefill's lm_head over the kept rows); wider
 forwards keep the plain path (float32: two runs disagreed on a gain there; bfloat16: on two threads
@@ -19,8 +20,8 @@ the packed and plain bits differ at some widths from 96 rows up).
 
 Numerics. bfloat16: the packed product has the plain product's bits, so nothing sampled changes;
 this is checked, not assumed: each weight, when packed, is multiplied both ways at several row
-counts and keeps the plain path if any bit differs (small matrices do: aten's own bf16 kernel
-serves them, not oneDNN). float32: plain sgemm takes a small-matrix kernel under 16 rows, so a
+counts and keeps the plain path if any bit differs (where oneDNN's plain path takes another
+kernel than its packed one). float32: plain sgemm takes a small-matrix kernel under 16 rows, so a
 row's outputs depended on how many rows shared its GEMM (a sample on its batch-mates, by a few
 ulps); the packed compute gives each row the same bits at any number of rows
 (tests/test_packed_gemm.py) and the plain bits from 16 rows up. Against plain sgemm everywhere, only
