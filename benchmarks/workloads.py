@@ -14,6 +14,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
   legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
   before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
+  threads the runner and the raw replay again with the engine's forwards on `--other-threads`
+          intra-op threads (default: every usable core) instead of `model.cpu_threads`' default
 The prefix cache is cleared before every measurement, so no run reuses another's work.
 
 Reports runner/raw (target >= 0.9), engine tokens/s over the legacy engine's (target >= 3x on
@@ -52,6 +54,7 @@ from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
+from whale.engine.hf import usable_cores  # noqa: E402
 from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,8 +257,9 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep")
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep", "threads")
 NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "fresh": {"runner", "raw"},
+         "threads": {"runner", "raw"},
          "waves": {"runner"},
          "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
 
@@ -374,6 +378,15 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         lockstep_s = time.perf_counter() - t0
         row.update(lockstep_eps=len(lockstep_trajs) / lockstep_s, lockstep_over_runner=runner_s / lockstep_s,
                    lockstep_breaks=runner_lockstep.last_lockstep_breaks)
+    if "threads" in variants:
+        other = engine_setting(engine, "cpu_threads", args.other_threads)
+        fresh(engine)
+        with other:
+            t0 = time.perf_counter()
+            runner.run(harness, problems, samples=args.k, seed=rep)
+            other_s = time.perf_counter() - t0
+        row.update(against_raw("raw_over_threads", engine_setting(engine, "cpu_threads", args.other_threads)),
+                   runner_over_threads=other_s / runner_s, threads=(engine.cpu_threads, args.other_threads))
     if before_runner is not None:
         t0 = time.perf_counter()
         before_runner.run(harness, problems, samples=args.k, seed=rep)
@@ -404,6 +417,11 @@ def describe(row: dict) -> str:
     if "kept_over_fresh_slab" in row:
         parts.append(f"kept/fresh slab {row['kept_over_fresh_slab']:.2f} (CPU {row['kept_over_fresh_slab_cpu']:.2f}, "
                      f"same ids {row['same_ids_kept_over_fresh_slab']})")
+    if "runner_over_threads" in row:
+        mine, other = row["threads"]
+        parts.append(f"{mine} vs {other} engine threads: runner {row['runner_over_threads']:.2f}, raw "
+                     f"{row['raw_over_threads']:.2f} (CPU {row['raw_over_threads_cpu']:.2f}, same ids "
+                     f"{row['same_ids_raw_over_threads']})")
     if "runner_over_before" in row:
         parts.append(f"runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)")
     return "; ".join(parts)
@@ -427,7 +445,7 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
 
 RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
-          "runner_over_before")
+          "runner_over_before", "runner_over_threads", "raw_over_threads")
 
 
 def summarize(rows, limits) -> dict:
@@ -463,7 +481,9 @@ def summary_line(r: dict) -> str:
              ratio("kept_over_fresh_slab", "kept/fresh slab"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
-             ratio("runner_over_before", "runner vs 1c4ff05 runner", "x")]
+             ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),
+             ratio("runner_over_threads", "runner, default vs other engine threads", "x"),
+             ratio("raw_over_threads", "raw, default vs other engine threads", "x")]
     parts += [f"prefill computed/requested {s['prefill_computed_over_requested']:.2f}",
               f"prefill {s['prefill_tok_s']:.0f} tok/s (limit {s['prefill_limit_tok_s']:.0f})",
               f"decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} rows (limit {s['decode_limit_tok_s']:.0f})",
@@ -481,12 +501,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
+    ap.add_argument("--other-threads", type=int, default=usable_cores(),
+                    help="the `threads` variant's engine threads (default: every usable core)")
     ap.add_argument("--variants", default="all",
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (with what each is compared with), "
                          "e.g. raw,legacy for more repeats of the engine ratio in the same time")
     args = ap.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    print(f"torch threads {torch.get_num_threads()} (main thread; the engine's own: model.cpu_threads), usable "
+          f"cores {usable_cores()}, load {os.getloadavg()[0]:.1f}")
     limits = machine_limits()
     print(f"machine: {limits['summary']}", flush=True)
     results = [run_workload(n, args, limits) for n in names]

@@ -41,6 +41,9 @@ class ModelConfig(_Strict):
                               "on weights packed once (MKL for float32, oneDNN for bf16; engine/packed.py); false: "
                               "the plain GEMM, which has the same bits in bf16 and rounds differently under 16 rows "
                               "in float32 (no sampled token changed in the runs measured)")
+    cpu_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
+                                    "forwards; empty: OMP_NUM_THREADS if set, else the usable cores but one (the "
+                                    "runner, tools and sandboxes run on the rest; docs/design.md)")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")

@@ -83,6 +83,28 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (a container's affinity, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def engine_cpu_threads(requested: int | None) -> int:
+    """Intra-op threads for the engine's forwards on CPU: `requested` (`model.cpu_threads`), else
+    OMP_NUM_THREADS when the user set it, else the usable cores but one, and at least one.
+
+    Why not every core: the runner's threads (event loop, RPC, templating, tool calls), the
+    sandboxed harnesses and the graders run beside the engine. On 2 cores, two OpenMP threads in
+    the engine wait on the core those hold, and `whale demo` took 5:38-6:14 against 4:10-4:57 with
+    one (docs/throughput.md, "One core for the engine")."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {requested}")
+        return requested
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, usable_cores() - 1)
+
+
 class HFEngine:
     """The `Engine` protocol on a transformers causal LM (optionally with a PEFT adapter).
 
@@ -106,6 +128,7 @@ class HFEngine:
         prefix_cache_bytes: int = 1 << 30,
         mixed_forwards: bool = True,
         packed_gemm: bool = True,
+        cpu_threads: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,11 +141,13 @@ class HFEngine:
         self.max_model_len = max_model_len
         self.mixed_forwards = mixed_forwards  # CPU: a join's prefill and the decode step in one forward
         self.weights_version = "base"
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
-            # torch defaults to the machine's cores; in a container limited to fewer, oversubscription hurts.
-            usable = len(os.sched_getaffinity(0))
-            if torch.get_num_threads() > usable:
-                torch.set_num_threads(usable)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # torch defaults to the machine's cores; in a container limited to fewer, oversubscription
+            # hurts. This is the process's count (training's); the engine thread sets its own below.
+            if torch.get_num_threads() > usable_cores():
+                torch.set_num_threads(usable_cores())
+        # the engine thread's intra-op threads, read at every step (OpenMP's count is per thread)
+        self.cpu_threads = engine_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.path = resolve_model_path(name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()

@@ -253,6 +253,9 @@ class Scheduler:
         return admitted, choice_jobs
 
     def _step(self, admitted: list[Seq], choice_jobs: list[Job]) -> None:
+        threads = self.engine.cpu_threads
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # this thread's OpenMP count (it is per thread)
         if admitted or choice_jobs:
             stamp = weights_stamp(self.engine.model)
             if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
