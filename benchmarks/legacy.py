@@ -39,4 +39,11 @@ def legacy_runner(engine, domain, cfg):
 
     module = load_legacy("whale/harness/runner.py")
     module._grade_in_worker = runner._grade_in_worker
-    return module.RolloutRunner(engine, domain, cfg)
+    return module.RolloutRunner(engine, domain, _with_legacy_runner_keys(cfg))
+
+
+def _with_legacy_runner_keys(cfg):
+    """`cfg` with the runner keys 1c4ff05 read and today's config no longer has, at their defaults
+    then (its batcher's flush window); the rest as given."""
+    runner = types.SimpleNamespace(**dict(cfg.runner), batch_window_ms=20.0)
+    return types.SimpleNamespace(**{**{name: getattr(cfg, name) for name in type(cfg).model_fields}, "runner": runner})

@@ -54,7 +54,7 @@ from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
-from whale.engine.hf import usable_cores  # noqa: E402
+from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
 from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,6 +342,7 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         raw_tok = generated(raw_gens)
         row.update(raw_s=raw_s, raw_cpu_s=raw_cpu, raw_eps=len(trajs) / raw_s, runner_over_raw=raw_s / runner_s,
                    raw_tok_s=raw_tok / raw_s, raw_engine=delta(engine.stats, before))
+        row.update(engine_time("runner", runner_s, row["runner_engine"]), **engine_time("raw", raw_s, row["raw_engine"]))
     def against_raw(name: str, setting) -> dict:
         """The raw replay again under `setting`: raw tok/s over its tok/s (wall, and CPU per token),
         and how many calls drew the same ids; `{name}_engine` holds its engine counters."""
@@ -395,11 +396,22 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
     return row
 
 
+def engine_time(name: str, wall: float, stats: dict) -> dict:
+    """Where the engine thread's wall time went: forwards (with sampling), the rest of its steps
+    (admission, prefix cache, retiring; Python that waits for the GIL too), and idle (no call to run)."""
+    forwards = stats["prefill_seconds"] + stats["decode_seconds"]
+    return {f"{name}_forwards_s": forwards, f"{name}_step_other_s": stats["step_seconds"] - forwards,
+            f"{name}_idle_s": wall - stats["step_seconds"]}
+
+
 def describe(row: dict) -> str:
     """One repeat's line: whatever of it was measured."""
     parts = [f"runner {row['runner_eps']:.2f} ep/s"]
     if "raw_eps" in row:
-        parts.append(f"raw {row['raw_eps']:.2f} ep/s (runner/raw {row['runner_over_raw']:.2f})")
+        parts.append(f"raw {row['raw_eps']:.2f} ep/s (runner/raw {row['runner_over_raw']:.2f}; engine thread "
+                     f"forwards/other/idle s: runner {row['runner_forwards_s']:.2f}/{row['runner_step_other_s']:.2f}/"
+                     f"{row['runner_idle_s']:.2f}, raw {row['raw_forwards_s']:.2f}/{row['raw_step_other_s']:.2f}/"
+                     f"{row['raw_idle_s']:.2f})")
     if "lockstep_eps" in row:
         parts.append(f"lockstep {row['lockstep_eps']:.2f} ep/s (lockstep/runner {row['lockstep_over_runner']:.2f}, "
                      f"breaks {row['lockstep_breaks']})")
@@ -510,7 +522,10 @@ def main() -> None:
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"torch threads {torch.get_num_threads()} (main thread; the engine's own: model.cpu_threads), usable "
           f"cores {usable_cores()}, load {os.getloadavg()[0]:.1f}")
+    main_threads = torch.get_num_threads()
+    torch.set_num_threads(engine_cpu_threads(None))  # the limits of the engine's cores, not the process's
     limits = machine_limits()
+    torch.set_num_threads(main_threads)  # the legacy engine runs here, on the process's count as at 1c4ff05
     print(f"machine: {limits['summary']}", flush=True)
     results = [run_workload(n, args, limits) for n in names]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

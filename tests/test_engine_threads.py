@@ -57,3 +57,18 @@ def test_the_engine_threads_forwards_run_on_its_count(tiny_model_dir, threads):
         hook.remove()
         engine.close()
         torch.set_num_threads(main_threads)
+
+
+def test_step_seconds_hold_the_forwards(tiny_model_dir):
+    """`step_seconds` (what benchmarks/workloads.py splits into forwards, other step work and idle)
+    covers every forward's seconds."""
+    engine = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=64)
+    try:
+        before = dict(engine.stats)
+        engine.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=6, seed=s) for s in range(3)],
+                        SamplingParams(temperature=1.0, max_tokens=6))
+        d = {k: engine.stats[k] - before[k] for k in ("step_seconds", "prefill_seconds", "decode_seconds")}
+        forwards = d["prefill_seconds"] + d["decode_seconds"]
+        assert 0 < forwards <= d["step_seconds"]
+    finally:
+        engine.close()

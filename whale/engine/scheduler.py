@@ -75,7 +75,7 @@ IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the n
 def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
             "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
-            "prefill_seconds": 0.0, "decode_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
+            "prefill_seconds": 0.0, "decode_seconds": 0.0, "step_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
             "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0}
 
 
@@ -193,11 +193,13 @@ class Scheduler:
                         break
                     self.busy = True
                     admitted, choice_jobs = self._admit()
+                t0 = time.perf_counter()
                 try:
                     self._step(admitted, choice_jobs)
                 except Exception as exc:  # noqa: BLE001 - fail what was in flight; the engine goes on
                     self._fail_in_flight(f"error: engine failure: {type(exc).__name__}: {exc}", admitted,
                                          choice_jobs)
+                self.stats["step_seconds"] += time.perf_counter() - t0  # forwards and their bookkeeping
                 with self.cond:
                     self.step_no += 1
         with self.cond:
