@@ -106,6 +106,11 @@ def unpacked(engine):
     return engine_setting(engine, "packed_linears", None)
 
 
+def on_threads(engine, threads: int):
+    """The engine thread's forwards on `threads` intra-op threads (it sets its count at every step)."""
+    return engine_setting(engine, "cpu_threads", threads)
+
+
 def unmixed(engine):
     """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
     return engine_setting(engine, "mixed_forwards", False)
@@ -380,13 +385,12 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         row.update(lockstep_eps=len(lockstep_trajs) / lockstep_s, lockstep_over_runner=runner_s / lockstep_s,
                    lockstep_breaks=runner_lockstep.last_lockstep_breaks)
     if "threads" in variants:
-        other = engine_setting(engine, "cpu_threads", args.other_threads)
         fresh(engine)
-        with other:
+        with on_threads(engine, args.other_threads):
             t0 = time.perf_counter()
             runner.run(harness, problems, samples=args.k, seed=rep)
             other_s = time.perf_counter() - t0
-        row.update(against_raw("raw_over_threads", engine_setting(engine, "cpu_threads", args.other_threads)),
+        row.update(against_raw("raw_over_threads", on_threads(engine, args.other_threads)),
                    runner_over_threads=other_s / runner_s, threads=(engine.cpu_threads, args.other_threads))
     if before_runner is not None:
         t0 = time.perf_counter()

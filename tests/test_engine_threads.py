@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from whale.config import load_config
+from whale.config import ConfigError, load_config
 from whale.engine import hf
 from whale.engine.base import GenerationRequest, SamplingParams
 from whale.engine.hf import HFEngine, engine_cpu_threads
@@ -28,8 +28,8 @@ def test_the_users_choice_wins(monkeypatch):
         engine_cpu_threads(0)
 
 
-def test_config_rejects_zero_threads(tmp_path):
-    with pytest.raises(Exception, match="cpu_threads"):
+def test_config_rejects_zero_threads():
+    with pytest.raises(ConfigError, match="cpu_threads"):
         load_config(None, ["model.cpu_threads=0"])
 
 

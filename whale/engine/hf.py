@@ -144,8 +144,9 @@ class HFEngine:
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # torch defaults to the machine's cores; in a container limited to fewer, oversubscription
             # hurts. This is the process's count (training's); the engine thread sets its own below.
-            if torch.get_num_threads() > usable_cores():
-                torch.set_num_threads(usable_cores())
+            usable = usable_cores()
+            if torch.get_num_threads() > usable:
+                torch.set_num_threads(usable)
         # the engine thread's intra-op threads, read at every step (OpenMP's count is per thread)
         self.cpu_threads = engine_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.path = resolve_model_path(name_or_path)
