@@ -16,7 +16,12 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
   threads the runner and the raw replay again with the engine's forwards on `--other-threads`
           intra-op threads (default: every usable core) instead of `model.cpu_threads`' default
-The prefix cache is cleared before every measurement, so no run reuses another's work.
+  switch  the runner again with the GIL switch interval at `--switch-interval` (Python's default 5 ms)
+The prefix cache is cleared before every measurement, so no run reuses another's work. The warm-up
+runs each repeat's calls once (`--no-prime` skips it): a KV slab larger than any before zeroes new
+storage (page faults, ~2 s for 750 MiB here), a one-off cost of an engine's first batches of that
+size that would land on whichever variant met the size first (the runner, always first, in most
+repeats); each variant's line shows the seconds it still spent on new storage.
 
 Reports runner/raw (target >= 0.9), engine tokens/s over the legacy engine's (target >= 3x on
 search QA), prefill tokens computed vs requested, prefill and decode tokens/s against the
@@ -109,6 +114,17 @@ def unpacked(engine):
 def on_threads(engine, threads: int):
     """The engine thread's forwards on `threads` intra-op threads (it sets its count at every step)."""
     return engine_setting(engine, "cpu_threads", threads)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """The interpreter's GIL switch interval at `seconds` inside (sys.setswitchinterval)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def unmixed(engine):
@@ -262,9 +278,9 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep", "threads")
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
 NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "fresh": {"runner", "raw"},
-         "threads": {"runner", "raw"},
+         "threads": {"runner", "raw"}, "switch": {"runner"},
          "waves": {"runner"},
          "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
 
@@ -297,6 +313,9 @@ def run_workload(name, args, limits) -> dict:
     # warm-up at full size: fork server, grader pool, kernels, and the KV slab's kept storage (on CPU
     # a batch's first slab faults in fresh pages; every later batch of a run reuses them, engine/kv.py)
     runner.run(harness, problems, samples=args.k, seed=99)
+    if args.prime:  # each repeat's calls once: the slab's kept storage reaches what the measured runs need
+        for rep in range(args.repeat):
+            runner.run(harness, problems, samples=args.k, seed=rep)
     if runner_lockstep is not None:
         runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
     if old is not None:
@@ -392,6 +411,13 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
             other_s = time.perf_counter() - t0
         row.update(against_raw("raw_over_threads", on_threads(engine, args.other_threads)),
                    runner_over_threads=other_s / runner_s, threads=(engine.cpu_threads, args.other_threads))
+    if "switch" in variants:
+        fresh(engine)
+        with switch_interval(args.switch_interval):
+            t0 = time.perf_counter()
+            runner.run(harness, problems, samples=args.k, seed=rep)
+            switch_s = time.perf_counter() - t0
+        row.update(switch_over_runner=runner_s / switch_s, switch_interval=args.switch_interval)
     if before_runner is not None:
         t0 = time.perf_counter()
         before_runner.run(harness, problems, samples=args.k, seed=rep)
@@ -402,10 +428,11 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
 
 def engine_time(name: str, wall: float, stats: dict) -> dict:
     """Where the engine thread's wall time went: forwards (with sampling), the rest of its steps
-    (admission, prefix cache, retiring; Python that waits for the GIL too), and idle (no call to run)."""
+    (admission, prefix cache, retiring; Python that waits for the GIL too; new slab storage), and
+    idle (no call to run). `slab_fresh_s` is the part of the steps that zeroed new slab storage."""
     forwards = stats["prefill_seconds"] + stats["decode_seconds"]
     return {f"{name}_forwards_s": forwards, f"{name}_step_other_s": stats["step_seconds"] - forwards,
-            f"{name}_idle_s": wall - stats["step_seconds"]}
+            f"{name}_idle_s": wall - stats["step_seconds"], f"{name}_slab_fresh_s": stats["slab_fresh_seconds"]}
 
 
 def describe(row: dict) -> str:
@@ -415,7 +442,8 @@ def describe(row: dict) -> str:
         parts.append(f"raw {row['raw_eps']:.2f} ep/s (runner/raw {row['runner_over_raw']:.2f}; engine thread "
                      f"forwards/other/idle s: runner {row['runner_forwards_s']:.2f}/{row['runner_step_other_s']:.2f}/"
                      f"{row['runner_idle_s']:.2f}, raw {row['raw_forwards_s']:.2f}/{row['raw_step_other_s']:.2f}/"
-                     f"{row['raw_idle_s']:.2f})")
+                     f"{row['raw_idle_s']:.2f}; new slab storage s: runner {row['runner_slab_fresh_s']:.2f}, raw "
+                     f"{row['raw_slab_fresh_s']:.2f})")
     if "lockstep_eps" in row:
         parts.append(f"lockstep {row['lockstep_eps']:.2f} ep/s (lockstep/runner {row['lockstep_over_runner']:.2f}, "
                      f"breaks {row['lockstep_breaks']})")
@@ -438,6 +466,9 @@ def describe(row: dict) -> str:
         parts.append(f"{mine} vs {other} engine threads: runner {row['runner_over_threads']:.2f}, raw "
                      f"{row['raw_over_threads']:.2f} (CPU {row['raw_over_threads_cpu']:.2f}, same ids "
                      f"{row['same_ids_raw_over_threads']})")
+    if "switch_over_runner" in row:
+        parts.append(f"runner at GIL switch interval {row['switch_interval'] * 1e3:g} ms / default: "
+                     f"{row['switch_over_runner']:.2f}")
     if "runner_over_before" in row:
         parts.append(f"runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)")
     return "; ".join(parts)
@@ -461,7 +492,7 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
 
 RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
-          "runner_over_before", "runner_over_threads", "raw_over_threads")
+          "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
 
 
 def summarize(rows, limits) -> dict:
@@ -499,7 +530,8 @@ def summary_line(r: dict) -> str:
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),
              ratio("runner_over_threads", "runner, default vs other engine threads", "x"),
-             ratio("raw_over_threads", "raw, default vs other engine threads", "x")]
+             ratio("raw_over_threads", "raw, default vs other engine threads", "x"),
+             ratio("switch_over_runner", "runner, short GIL switch interval vs default", "x")]
     parts += [f"prefill computed/requested {s['prefill_computed_over_requested']:.2f}",
               f"prefill {s['prefill_tok_s']:.0f} tok/s (limit {s['prefill_limit_tok_s']:.0f})",
               f"decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} rows (limit {s['decode_limit_tok_s']:.0f})",
@@ -519,6 +551,11 @@ def main() -> None:
     ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
     ap.add_argument("--other-threads", type=int, default=usable_cores(),
                     help="the `threads` variant's engine threads (default: every usable core)")
+    ap.add_argument("--no-prime", dest="prime", action="store_false",
+                    help="skip the warm-up's run of each repeat's calls (then a variant that first needs a "
+                         "larger KV slab pays its new storage, a one-off cost, and its ratios lean)")
+    ap.add_argument("--switch-interval", type=float, default=0.0002,
+                    help="the `switch` variant's GIL switch interval in seconds (Python's default: 0.005)")
     ap.add_argument("--variants", default="all",
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (with what each is compared with), "
                          "e.g. raw,legacy for more repeats of the engine ratio in the same time")

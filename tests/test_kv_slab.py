@@ -31,11 +31,14 @@ def test_cleared_slab_reuses_its_storage_with_the_shapes_of_a_fresh_one():
     before = kept.data.clone()
     assert torch.equal(before, fresh.data)  # what each growth copied is the same
     buffers = {id(b) for b in kept.buffers}
+    grown = kept.fresh_bytes  # every growth zeroed new storage: the sum of the buffers made, dropped ones too
+    assert grown > kept.storage_bytes and fresh.fresh_bytes == grown  # as many as a fresh slab, growing from empty
     assert len(buffers) == 2 and kept.storage_bytes >= kept.nbytes
     kept.clear()
     assert kept.data is None and kept.rows == kept.cols == 0 and len(kept.buffers) == 2
     assert grow(kept) == reference  # the same shapes from empty, after the clear
     assert {id(b) for b in kept.buffers} == buffers  # and no new memory
+    assert kept.fresh_bytes == grown and kept.fresh_seconds > 0  # counted as none either
     # the values a batch wrote are there; stale ones from the last batch are finite, never NaN
     assert torch.equal(kept.data[:, :, 13, :, :130], before[:, :, 13, :, :130])
     assert torch.isfinite(kept.data).all()
@@ -69,7 +72,9 @@ def test_kept_storage_changes_no_sample(tiny_model_dir):
         first = run(kept, PROMPTS)
         run(kept, DIRT)  # longer prompts: the storage now holds their keys and values
         assert kept.scheduler.slab.buffers
+        fresh_bytes = kept.stats["slab_fresh_bytes"]
         assert run(kept, PROMPTS) == first == run(zeroed, PROMPTS)
+        assert kept.stats["slab_fresh_bytes"] == fresh_bytes > 0  # the shorter batch needed no new storage
         assert zeroed.scheduler.slab.buffers == []
     finally:
         kept.close()

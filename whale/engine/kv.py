@@ -27,12 +27,16 @@ those of a fresh slab (same growth from empty after every clear), so no forward 
 shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is
 the same invariant as above. The price is up to twice the largest slab held while idle (about
 1.2 GiB for SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching
-allocator reuses blocks without faults) a clear frees the storage as before.
+allocator reuses blocks without faults) a clear frees the storage as before. `fresh_bytes` and
+`fresh_seconds` count the new storage and the time its zeroing took (the page faults: 2-3 ms per
+MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
+so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -60,6 +64,8 @@ class KVSlab:
         self.rows = 0  # capacity, allocated or wanted
         self.cols = 0
         self.kind: tuple[int, int, torch.dtype] | None = None  # (kv heads, head dim, dtype) once seen
+        self.fresh_bytes = 0  # new storage zeroed so far, and the seconds it took (module docstring)
+        self.fresh_seconds = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +109,7 @@ class KVSlab:
         self.rows, self.cols = max(self.rows, 1), max(self.cols, 64)
         shape = (self.n_layers, 2, self.rows, heads, self.cols, dim)
         if not self.keep_storage:
-            self.data = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.data = self._zeros(math.prod(shape), dtype).view(shape)
             return
         self.data = self._buffer(math.prod(shape), dtype)[: math.prod(shape)].view(shape)
 
@@ -119,9 +125,17 @@ class KVSlab:
         if free:
             smallest = min(free, key=lambda b: b.numel())
             self.buffers = [b for b in self.buffers if b is not smallest]
-        buffer = torch.zeros(numel, dtype=dtype, device=self.device)
+        buffer = self._zeros(numel, dtype)
         self.buffers.append(buffer)
         return buffer
+
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """New zeroed storage, counted in `fresh_bytes` and `fresh_seconds`."""
+        t0 = time.perf_counter()
+        out = torch.zeros(numel, dtype=dtype, device=self.device)
+        self.fresh_seconds += time.perf_counter() - t0
+        self.fresh_bytes += out.numel() * out.element_size()
+        return out
 
     def layer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """[2, rows, heads, cols, dim] of layer `index`; the first keys ever seen fix the slab's shape."""

@@ -76,7 +76,8 @@ def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
             "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "step_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
-            "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0}
+            "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0,
+            "slab_fresh_bytes": 0, "slab_fresh_seconds": 0.0}
 
 
 class Scheduler:
@@ -278,6 +279,7 @@ class Scheduler:
         stats["slab_peak_bytes"] = max(stats["slab_peak_bytes"], self.slab.nbytes)
         stats["slab_storage_peak_bytes"] = max(stats["slab_storage_peak_bytes"], self.slab.storage_bytes)
         stats["prefix_peak_bytes"] = max(stats["prefix_peak_bytes"], self.prefix.bytes)
+        stats["slab_fresh_bytes"], stats["slab_fresh_seconds"] = self.slab.fresh_bytes, self.slab.fresh_seconds
 
     def _clear_prefix(self) -> None:
         self.prefix.clear()
