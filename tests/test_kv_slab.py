@@ -80,3 +80,18 @@ def test_kept_storage_changes_no_sample(tiny_model_dir):
         kept.close()
         zeroed.close()
     assert kept.scheduler.slab.buffers == []  # closing frees the kept storage
+
+
+def test_new_storage_stops_once_both_buffers_reach_the_largest_slab():
+    """Batches whose last growth asks a little more or less than before (as free-running batches
+    do, run to run) reuse the kept buffers: a new one is made as large as the largest kept."""
+    slab = KVSlab(2, torch.device("cpu"))
+    made = []
+    for final_rows in (40, 38, 39, 37, 40):
+        slab.clear()
+        grow(slab)
+        slab.reserve(final_rows, 300)
+        made.append(slab.fresh_bytes)
+    assert made[1] > made[0]  # the second batch needed the second buffer at the largest size
+    assert made[-1] == made[1]  # and none after it, though each batch's last growth differed
+    assert len(slab.buffers) == 2
