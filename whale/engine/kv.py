@@ -128,6 +128,7 @@ class KVSlab:
         if free:
             smallest = min(free, key=lambda b: b.numel())
             self.buffers = [b for b in self.buffers if b is not smallest]
+            del free, smallest  # freed before the new one is zeroed: never three buffers at once
         largest = max((b.numel() for b in self.buffers if b.dtype == dtype), default=0)
         buffer = self._zeros(max(numel, largest), dtype)
         self.buffers.append(buffer)
