@@ -9,6 +9,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
           rows' decode step as two forwards, as before engine/mixed.py)
   unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py
+  repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
+          each KV head per query head it serves, as before engine/attention.py's grouped prefill
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
           kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
@@ -57,7 +59,7 @@ from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
-from whale.engine import make_engine  # noqa: E402
+from whale.engine import attention, make_engine  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
 from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
 from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
@@ -130,6 +132,18 @@ def switch_interval(seconds: float):
 def unmixed(engine):
     """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
     return engine_setting(engine, "mixed_forwards", False)
+
+
+@contextlib.contextmanager
+def repeated_kv():
+    """Prefill attention through transformers' sdpa wrapper (each KV head copied per query head it
+    serves, as before engine/attention.py's `slab_prefill_attention`)."""
+    saved = attention.GROUPED_PREFILL
+    attention.GROUPED_PREFILL = False
+    try:
+        yield
+    finally:
+        attention.GROUPED_PREFILL = saved
 
 
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
@@ -278,8 +292,9 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
-NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "fresh": {"runner", "raw"},
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
+NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"},
+         "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"},
          "waves": {"runner"},
          "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
@@ -381,6 +396,8 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
                    mixed_forwards=row["raw_engine"]["mixed_forwards"])
     if "unpacked" in variants and engine.packed_linears is not None:
         row.update(against_raw("packed_over_unpacked", unpacked(engine)))
+    if "repeatkv" in variants:
+        row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
     if "fresh" in variants:
         row.update(against_raw("kept_over_fresh_slab", fresh_slab(engine)))
     if "waves" in variants:
@@ -458,6 +475,9 @@ def describe(row: dict) -> str:
     if "packed_over_unpacked" in row:
         parts.append(f"raw packed/unpacked GEMMs {row['packed_over_unpacked']:.2f} (CPU "
                      f"{row['packed_over_unpacked_cpu']:.2f}, same ids {row['same_ids_packed_over_unpacked']})")
+    if "grouped_over_repeated_kv" in row:
+        parts.append(f"raw grouped/repeated-KV prefill attention {row['grouped_over_repeated_kv']:.2f} (CPU "
+                     f"{row['grouped_over_repeated_kv_cpu']:.2f}, same ids {row['same_ids_grouped_over_repeated_kv']})")
     if "kept_over_fresh_slab" in row:
         parts.append(f"kept/fresh slab {row['kept_over_fresh_slab']:.2f} (CPU {row['kept_over_fresh_slab_cpu']:.2f}, "
                      f"same ids {row['same_ids_kept_over_fresh_slab']})")
@@ -492,6 +512,7 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
 
 RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
+          "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu",
           "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
 
 
@@ -526,6 +547,7 @@ def summary_line(r: dict) -> str:
     parts = [ratio("runner_over_raw", "runner/raw"), ratio("lockstep_over_runner", "lockstep/runner"),
              ratio("mixed_over_unmixed", "mixed/unmixed forwards"), ratio("packed_over_unpacked", "packed/unpacked GEMMs"),
              ratio("kept_over_fresh_slab", "kept/fresh slab"),
+             ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),

@@ -370,6 +370,56 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
     assert torch.allclose(out[True], out[False], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slab_prefill_attention_has_sdpas_bits(dtype):
+    """Grouped-query heads in the kernel (no repeat_kv copy) give exactly transformers' sdpa output,
+    on strided slab views under 4D masks, bool and additive; without a mask it is sdpa itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from whale.engine.attention import slab_prefill_attention
+
+    class Module:
+        num_key_value_groups, is_causal = 3, True
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, width, cols in ((1, 1, 9), (3, 17, 40), (5, 64, 130), (2, 130, 200)):
+        q = torch.randn(rows, 9, width, 64, generator=gen).to(dtype)
+        slab = torch.randn(2, rows + 2, 3, cols + 30, 64, generator=gen).to(dtype)
+        k, v = slab[0, 1 : rows + 1, :, :cols], slab[1, 1 : rows + 1, :, :cols]
+        allowed = torch.rand(rows, 1, width, cols, generator=gen) > 0.3
+        allowed[..., 0] = True
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        for mask in (allowed, additive, None):
+            ours, _ = slab_prefill_attention(Module(), q, k, v, mask, scaling=0.125)
+            theirs, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.125)
+            assert ours.shape == (rows, width, 9, 64)
+            assert torch.equal(ours, theirs)
+
+
+def test_prefill_attention_switch_keeps_the_logits(engine):
+    """A prefill forward of the engine's model under `prefill_attention` has the plain sdpa logits."""
+    from whale.engine.attention import prefill_attention
+    from whale.engine.kv import KVSlab
+
+    model = engine.model
+    rows, width = 3, 30
+    ids = torch.randint(5, 300, (rows, width))
+    cols = torch.arange(width).expand(rows, width)
+    causal = (torch.arange(width) <= torch.arange(width).unsqueeze(-1)).expand(rows, 1, width, width)
+    out = {}
+    with torch.no_grad():
+        for on in (True, False):
+            slab = KVSlab(model.config.num_hidden_layers, engine.device)
+            slab.reserve(rows, width + 1)
+            view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width)
+            with prefill_attention(model, enabled=on) as used:
+                assert used == on
+                out[on] = model(input_ids=ids, attention_mask=causal, position_ids=cols, cache=view,
+                                use_cache=True).logits
+        assert model.config._attn_implementation == "sdpa"  # switched back
+    assert torch.equal(out[True], out[False])
+
+
 def test_k_samples_of_one_position_are_scored_once(tiny_model_dir, plain):
     eng = make(tiny_model_dir, prefix_cache_bytes=0)
     try:

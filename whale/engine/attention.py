@@ -1,11 +1,18 @@
-"""Decode attention on the KV slab: one query token per row against all of its row's columns.
+"""The engine's attention on the KV slab (CPU): decode, one query token per row against all of its
+row's columns; prefill, sdpa with the kernel's own grouped-query attention.
 
 Why not sdpa here: for a single query token (a few query heads per KV head), torch's CPU
 flash-attention kernel fed the slab's strided [rows, heads, :width] view ran about twice as slow as
 two plain matmuls over the contiguous [rows, heads, all columns] block, stale columns included and
 masked (benchmarks/kv_cache_decode.py). The scheduler selects this function for its own decode
 forwards only, on CPU, by switching the model's attention implementation for the duration of the
-forward (the engine thread owns the model then); prefill and training keep sdpa.
+forward (the engine thread owns the model then); training keeps transformers' sdpa.
+
+Prefill (`slab_prefill_attention`): transformers' sdpa wrapper hands torch's kernel grouped-query
+attention itself only where no mask is given; with the engine's 4D masks it repeats every KV head
+for each query head it serves (`repeat_kv`: a copy of the layer's keys and values read from the
+slab, ~0.3 s of a 9 s search-QA replay here). Torch's CPU kernels take the groups as they are
+(`enable_gqa`), with the same bits (tests/test_engine_batching.py) and 10-55% less time per call.
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "whale_slab_decode"
+PREFILL_NAME = "whale_slab_prefill"
+GROUPED_PREFILL = True  # False: slab_prefill_attention is transformers' sdpa wrapper (benchmarks compare)
 
 
 def slab_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -35,6 +45,26 @@ def slab_decode_attention(module, query, key, value, attention_mask, scaling=Non
 
 
 AttentionInterface.register(NAME, slab_decode_attention)
+
+
+def slab_prefill_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """sdpa over query [rows, q_heads, width, dim] and key/value [rows, kv_heads, cols, dim] under a
+    4D mask, the query heads of a group reading their KV head in the kernel (no `repeat_kv` copy).
+    Anything else (no mask, one query token, which the wrapper packs without a copy, another device,
+    softcap, sinks, a position bias, dropout) goes to transformers' sdpa wrapper unchanged, so its
+    bits are the wrapper's. Returns [rows, width, q_heads, dim]."""
+    if (not GROUPED_PREFILL or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu" or dropout
+            or kwargs.get("softcap") is not None
+            or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None
+            or query.shape[1] % key.shape[1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PREFILL_NAME, slab_prefill_attention)
 
 
 def decode_allowed(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
@@ -58,12 +88,25 @@ def slab_decode_pays(slab_cols: int, width: int) -> bool:
 @contextmanager
 def decode_attention(model, enabled: bool = True):
     """Use `slab_decode_attention` for the forwards inside, in place of sdpa; yields whether it does."""
+    with _attention(model, NAME, enabled) as used:
+        yield used
+
+
+@contextmanager
+def prefill_attention(model, enabled: bool = True):
+    """Use `slab_prefill_attention` for the forwards inside, in place of sdpa; yields whether it does."""
+    with _attention(model, PREFILL_NAME, enabled) as used:
+        yield used
+
+
+@contextmanager
+def _attention(model, name: str, enabled: bool):
     config = model.config
     previous = config._attn_implementation
     if not enabled or previous != "sdpa":
         yield False
         return
-    config._attn_implementation = NAME
+    config._attn_implementation = name
     try:
         yield True
     finally:

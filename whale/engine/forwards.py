@@ -8,7 +8,8 @@ engine, the slab and the stats, so the scheduler's state stays in one place.
 
 Three forwards, one per situation:
 - `prefill`: the prompt suffixes (and choice trees) of consecutive slab rows, padded to the
-  longest (engine/prefill.py builds the inputs);
+  longest (engine/prefill.py builds the inputs), sdpa with grouped-query heads on CPU
+  (engine/attention.py);
 - `decode`: one token of every live row, its attention over the slab (engine/attention.py) on CPU;
 - `mixed`: both at once, packed into one row (engine/mixed.py), when the step's decode can ride in
   its last prefill forward (`can_mix`, `mixable`): the weights are streamed once for both.
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whale.engine.attention import decode_allowed, decode_attention, slab_decode_mask, slab_decode_pays
+from whale.engine.attention import (decode_allowed, decode_attention, prefill_attention, slab_decode_mask,
+                                    slab_decode_pays)
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
 from whale.engine.mixed import mixed_forward, mixed_inputs
@@ -79,8 +81,9 @@ class Forwards:
         rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
         view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
         t0 = time.perf_counter()
-        logits = self.model_forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
-                                    position_ids=pos.to(dev), logits_to_keep=keep)
+        with prefill_attention(self.engine.model, enabled=dev.type == "cpu"):
+            logits = self.model_forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
+                                        position_ids=pos.to(dev), logits_to_keep=keep)
         seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]
         if seqs:
             for _, seq in seqs:

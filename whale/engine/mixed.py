@@ -12,7 +12,7 @@ Attention cannot be one call over a packed row (each token reads its own slab ro
 it is two calls, each what the plain forwards do:
 - the decode tokens: `slab_decode_attention` over the live rows' slab block;
 - the prefill tokens: gathered into [newcomers, longest suffix] (left-padded), sdpa over their own
-  rows' columns under the causal mask, and scattered back.
+  rows' columns under the causal mask (`slab_prefill_attention`), and scattered back.
 A token still sees only its own row's columns, so what it samples does not depend on who else is
 in the forward, up to the rounding of a different GEMM shape (as for any batch).
 """
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from whale.engine.attention import slab_decode_attention, slab_decode_mask
+from whale.engine.attention import slab_decode_attention, slab_decode_mask, slab_prefill_attention
 from whale.engine.jobs import Seq
 
 NAME = "whale_mixed"
@@ -105,8 +104,8 @@ def mixed_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[:n] = od[:, 0]
     rows = slice(plan.first_row, plan.first_row + plan.gather.shape[0])
     qp = q[:, plan.gather].transpose(0, 1)  # [newcomers, q_heads, width, dim]
-    op, _ = sdpa_attention_forward(module, qp, key[rows, :, : plan.prefill_cols], value[rows, :, : plan.prefill_cols],
-                                   plan.prefill_mask, dropout=0.0, scaling=scaling)
+    op, _ = slab_prefill_attention(module, qp, key[rows, :, : plan.prefill_cols], value[rows, :, : plan.prefill_cols],
+                                   plan.prefill_mask, scaling=scaling)
     out[plan.gather[plan.valid]] = op[plan.valid]  # op: [newcomers, width, q_heads, dim]
     return out.unsqueeze(0), None
 
