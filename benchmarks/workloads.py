@@ -9,6 +9,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
           rows' decode step as two forwards, as before engine/mixed.py)
   unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py
+  narrow  the raw replay with bfloat16 packs only up to packed.MAX_ROWS rows (decode), prefill's
+          wider forwards on the plain GEMM, as before the checked wide widths
   repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
           each KV head per query head it serves, as before engine/attention.py's grouped prefill
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
@@ -59,7 +61,7 @@ from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
-from whale.engine import attention, make_engine  # noqa: E402
+from whale.engine import attention, make_engine, packed  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
 from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
 from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
@@ -144,6 +146,17 @@ def repeated_kv():
         yield
     finally:
         attention.GROUPED_PREFILL = saved
+
+
+@contextlib.contextmanager
+def narrow_packs():
+    """bfloat16 packs up to packed.MAX_ROWS rows only (before the checked wide widths)."""
+    saved = packed.WIDE_MAX_ROWS
+    packed.WIDE_MAX_ROWS = packed.MAX_ROWS
+    try:
+        yield
+    finally:
+        packed.WIDE_MAX_ROWS = saved
 
 
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
@@ -292,8 +305,8 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
-NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"},
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
+NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"},
          "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"},
          "waves": {"runner"},
@@ -396,6 +409,8 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
                    mixed_forwards=row["raw_engine"]["mixed_forwards"])
     if "unpacked" in variants and engine.packed_linears is not None:
         row.update(against_raw("packed_over_unpacked", unpacked(engine)))
+    if "narrow" in variants and engine.packed_linears is not None:
+        row.update(against_raw("wide_over_narrow_packs", narrow_packs()))
     if "repeatkv" in variants:
         row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
     if "fresh" in variants:
@@ -475,6 +490,9 @@ def describe(row: dict) -> str:
     if "packed_over_unpacked" in row:
         parts.append(f"raw packed/unpacked GEMMs {row['packed_over_unpacked']:.2f} (CPU "
                      f"{row['packed_over_unpacked_cpu']:.2f}, same ids {row['same_ids_packed_over_unpacked']})")
+    if "wide_over_narrow_packs" in row:
+        parts.append(f"raw wide/narrow packs {row['wide_over_narrow_packs']:.2f} (CPU "
+                     f"{row['wide_over_narrow_packs_cpu']:.2f}, same ids {row['same_ids_wide_over_narrow_packs']})")
     if "grouped_over_repeated_kv" in row:
         parts.append(f"raw grouped/repeated-KV prefill attention {row['grouped_over_repeated_kv']:.2f} (CPU "
                      f"{row['grouped_over_repeated_kv_cpu']:.2f}, same ids {row['same_ids_grouped_over_repeated_kv']})")
@@ -512,7 +530,8 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
 
 RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
-          "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu",
+          "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
+          "wide_over_narrow_packs_cpu",
           "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
 
 
@@ -548,6 +567,7 @@ def summary_line(r: dict) -> str:
              ratio("mixed_over_unmixed", "mixed/unmixed forwards"), ratio("packed_over_unpacked", "packed/unpacked GEMMs"),
              ratio("kept_over_fresh_slab", "kept/fresh slab"),
              ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
+             ratio("wide_over_narrow_packs", "wide/narrow bf16 packs"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),

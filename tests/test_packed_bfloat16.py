@@ -46,6 +46,31 @@ def test_a_weight_whose_pack_changes_bits_runs_plain(monkeypatch):
     assert (packs.packed_weights, packs.plain_weights, packs.nbytes) == (0, 1, 0)  # checked once, remembered
 
 
+def test_wider_forwards_use_the_pack_only_at_widths_checked_to_give_the_plain_bits(monkeypatch):
+    """Prefill widths (past MAX_ROWS) take the pack once a check at that width, weight shape and
+    thread count gave the plain bits; a width where it would not keeps the plain path."""
+    lin = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    packs = packed.PackedLinears(torch.bfloat16, min_weight_numel=0)
+    wide, wider = packed.MAX_ROWS + 37, packed.MAX_ROWS + 200
+    real = packed.bfloat16_packed_matmul
+    calls = []
+
+    def counted(x, pack, n=None):  # the product at `wider` rows is off by a factor: not the plain bits
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, pack) * (1.01 if calls[-1] == wider else 1)
+
+    monkeypatch.setattr(packed, "bfloat16_packed_matmul", counted)  # in the pack's own check
+    packs._kind = packs._kind._replace(matmul=counted)  # in the forwards and the wide checks
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad(), packs.installed(torch.nn.Sequential(lin)):
+        for rows in (wide, wide, wider, wider, packed.WIDE_MAX_ROWS + 1):
+            x = torch.randn(1, rows, 576, generator=gen).to(torch.bfloat16)
+            assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight)), rows
+    assert packs.wide_widths == (1, 1)  # `wide` checked and packed, `wider` checked and kept plain
+    # the pack's own check (decode widths), one check at each wide width, then `wide` served packed twice
+    assert calls == list(packed.BITS_CHECK_ROWS) + [wide, wide, wide, wider]
+
+
 def test_packed_forwards_equal_plain_ones_and_repack_after_a_change():
     model = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576, bias=False))
     model = model.to(torch.bfloat16)

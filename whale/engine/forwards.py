@@ -16,7 +16,8 @@ Three forwards, one per situation:
 
 On CPU in float32 or bfloat16 every forward runs its Linear layers of up to 64 rows on weights
 packed once (engine/packed.py, `model.packed_gemm`): decode steps, and prefill's lm_head over the
-kept rows.
+kept rows; in bfloat16 also prefill's and mixed forwards' wider ones, at the widths checked to give
+the plain bits.
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ multiplying with the packed form is faster there (benchmarks/packed_gemm.py, ove
   AMX: 1.31-1.58x at 1-64 rows on one thread, 1.34-1.48x on two (a whole search-QA replay: 1.05x
   [1.03, 1.08] at one thread, no effect shown at two; docs/throughput.md).
 
-Both are used up to `MAX_ROWS` rows (decode steps, prefill's lm_head over the kept rows); wider
-forwards keep the plain path (float32: two runs disagreed on a gain there; bfloat16: on two threads
-the packed and plain bits differ at some widths from 96 rows up).
+Both are used up to `MAX_ROWS` rows (decode steps, prefill's lm_head over the kept rows). Wider
+forwards (prefill, mixed forwards) keep the plain path in float32 (two runs disagreed on a gain
+there). In bfloat16 they use the pack up to `WIDE_MAX_ROWS` rows where it gives the plain bits at
+that very width: on two threads oneDNN's packed and plain products differ at some widths from 96
+rows up (on one thread, the engine's default on 2 cores, at none scanned), so each (weight shape,
+thread count, width) is checked at its first use and the verdict remembered.
 
 Numerics. bfloat16: the packed product has the plain product's bits, so nothing sampled changes;
 this is checked, not assumed: each weight, when packed, is multiplied both ways at several row
@@ -30,7 +33,8 @@ token across its inverse-CDF boundary (measured in docs/throughput.md).
 
 Where it applies: float32 or bfloat16 weights and inputs on CPU, no bias, gradients off (the
 engine's forwards; the in-process trainer's forwards take the plain path), and a torch whose MKL
-exports the packed sgemm (float32) or whose oneDNN does bf16 (bfloat16); elsewhere
+exports the packed sgemm and gives each row the same bits at every row count on this CPU (float32;
+not so on an AMD EPYC) or whose oneDNN does bf16 (bfloat16); elsewhere
 `available(dtype)` is False and nothing changes. Packs are keyed by the weight's storage and
 autograd version counter, so a weight changed in place (an optimizer step, a merged adapter) or
 swapped is packed again at its next use. Memory: one packed copy of each Linear weight used
@@ -51,7 +55,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-MAX_ROWS = 64  # packed up to this many rows (faster there); the plain path above
+MAX_ROWS = 64  # packed up to this many rows (faster there); the plain path above, except bfloat16's checked widths
+WIDE_MAX_ROWS = 4096  # bfloat16: widths past MAX_ROWS up to this are packed once checked; wider ones stay plain
 BITS_CHECK_ROWS = (1, 2, 5, 17, 24, MAX_ROWS)  # bfloat16: row counts at which a pack must give the plain bits
 MIN_WEIGHT_NUMEL = 1 << 16  # smaller Linears (LoRA's rank-r factors) gain nothing from packing
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # CBLAS enums
@@ -92,9 +97,12 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 @lru_cache(maxsize=1)
 def _float32_available() -> bool:
-    """MKL with `cblas_sgemm_compute` exported, and one weight packed once giving x @ weight.T at
-    every row count probed (MKL documents the pack for the `m` it was made with; the engine calls it
-    with 1 to MAX_ROWS rows, so this is checked, not assumed)."""
+    """MKL with `cblas_sgemm_compute` exported, one weight packed once giving x @ weight.T at every
+    row count probed (MKL documents the pack for the `m` it was made with; the engine calls it with 1
+    to MAX_ROWS rows), and each row's bits the same at every row count (the reason float32 packs may
+    change ids against plain sgemm). Both are checked, not assumed: on an AMD EPYC (Zen 4) MKL's
+    packed compute rounds 1-3-row products differently from wider ones, as its plain sgemm does, so
+    there float32 stays plain (docs/throughput.md)."""
     if _mkl() is None:
         return False
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +112,8 @@ def _float32_available() -> bool:
         x = torch.randn(m, 80, generator=gen)
         if not torch.allclose(packed_matmul(x, packed, 96), x @ weight.T, rtol=1e-4, atol=1e-4):
             return False
-    return True
+    full = packed_matmul(x, packed, 96)
+    return all(torch.equal(packed_matmul(x[:m], packed, 96), full[:m]) for m in range(1, MAX_ROWS + 1))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -166,10 +175,18 @@ class _Kind(NamedTuple):
     available: Callable[[], bool]
     pack: Callable[[torch.Tensor], torch.Tensor | None]  # None: keep the plain path for this weight
     matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (x, pack, out_features)
+    wide: bool  # whether forwards wider than MAX_ROWS may use the pack where it gives the plain bits
 
 
-_KINDS = {torch.float32: _Kind(_float32_available, pack_weight, packed_matmul),
-          torch.bfloat16: _Kind(_bfloat16_available, pack_bfloat16_weight, bfloat16_packed_matmul)}
+_KINDS = {torch.float32: _Kind(_float32_available, pack_weight, packed_matmul, wide=False),
+          torch.bfloat16: _Kind(_bfloat16_available, pack_bfloat16_weight, bfloat16_packed_matmul, wide=True)}
+
+
+def _same_bits_at(weight: torch.Tensor, pack: torch.Tensor, matmul: Callable, rows: int) -> bool:
+    """Whether `pack` gives `F.linear`'s bits on `rows` seeded random rows (at this thread's count)."""
+    gen = torch.Generator().manual_seed(rows * 7919 + weight.shape[1])
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+    return torch.equal(matmul(x, pack, weight.shape[0]), torch.nn.functional.linear(x, weight))
 
 
 class PackedLinears:
@@ -187,6 +204,7 @@ class PackedLinears:
         self._lock = threading.Lock()
         self.packed_weights = 0  # packs made (a weight's first use, and again after each change)
         self.plain_weights = 0  # weights whose pack would not give the plain bits (bfloat16), kept plain
+        self._wide: dict[tuple, bool] = {}  # (weight shape, threads, rows) -> the pack gives the plain bits there
 
     @property
     def nbytes(self) -> int:
@@ -215,15 +233,32 @@ class PackedLinears:
                     self.packed_weights += 1
             return entry[1]
 
+    @property
+    def wide_widths(self) -> tuple[int, int]:
+        """(widths past MAX_ROWS checked and packed, checked and kept plain), over shapes and thread counts."""
+        verdicts = list(self._wide.values())
+        return sum(verdicts), len(verdicts) - sum(verdicts)
+
+    def _wide_ok(self, weight: torch.Tensor, pack: torch.Tensor, rows: int) -> bool:
+        """Whether the pack may serve `rows` rows (> MAX_ROWS): checked once per weight shape, thread
+        count and width. The bits differ only where oneDNN takes another kernel for the plain product
+        than for the packed one, which depends on those three, not on the values."""
+        key = (tuple(weight.shape), torch.get_num_threads(), rows)
+        verdict = self._wide.get(key)
+        if verdict is None:
+            verdict = self._wide[key] = _same_bits_at(weight, pack, self._kind.matmul, rows)
+        return verdict
+
     def forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)`, on the packed weight where it applies, else exactly nn.Linear's forward."""
         weight = module.weight
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (torch.is_grad_enabled() or module.bias is not None or x.dtype != self.dtype
                 or weight.dtype != self.dtype or x.device.type != "cpu" or weight.device.type != "cpu"
-                or x.numel() > MAX_ROWS * x.shape[-1]):
+                or rows > (WIDE_MAX_ROWS if self._kind.wide else MAX_ROWS)):
             return torch.nn.functional.linear(x, weight, module.bias)
         pack = self._pack_of(module)
-        if pack is None:
+        if pack is None or (rows > MAX_ROWS and not self._wide_ok(weight, pack, rows)):
             return torch.nn.functional.linear(x, weight, None)
         return self._kind.matmul(x, pack, weight.shape[0])
 
