@@ -11,6 +11,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py
   narrow  the raw replay with bfloat16 packs only up to packed.MAX_ROWS rows (decode), prefill's
           wider forwards on the plain GEMM, as before the checked wide widths
+  flash   the raw replay with bfloat16 prefill attention in torch's sdpa kernel, as before
+          engine/attention.py's math path
   repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
           each KV head per query head it serves, as before engine/attention.py's grouped prefill
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
@@ -159,6 +161,17 @@ def narrow_packs():
         packed.WIDE_MAX_ROWS = saved
 
 
+@contextlib.contextmanager
+def flash_prefill():
+    """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
+    saved = attention.MATH_PREFILL
+    attention.MATH_PREFILL = False
+    try:
+        yield
+    finally:
+        attention.MATH_PREFILL = saved
+
+
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
     config_path, harness_path, extra = WORKLOADS[name]
     cfg = load_config(ROOT / config_path, [*extra, *overrides, f"domain.splits.test={problems}", "runner.lockstep=never"])
@@ -305,8 +318,8 @@ def fresh(engine) -> dict:
     return dict(engine.stats)
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
-NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"},
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
+NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"},
          "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"},
          "waves": {"runner"},
@@ -411,6 +424,8 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         row.update(against_raw("packed_over_unpacked", unpacked(engine)))
     if "narrow" in variants and engine.packed_linears is not None:
         row.update(against_raw("wide_over_narrow_packs", narrow_packs()))
+    if "flash" in variants:
+        row.update(against_raw("math_over_flash_prefill", flash_prefill()))
     if "repeatkv" in variants:
         row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
     if "fresh" in variants:
@@ -493,6 +508,9 @@ def describe(row: dict) -> str:
     if "wide_over_narrow_packs" in row:
         parts.append(f"raw wide/narrow packs {row['wide_over_narrow_packs']:.2f} (CPU "
                      f"{row['wide_over_narrow_packs_cpu']:.2f}, same ids {row['same_ids_wide_over_narrow_packs']})")
+    if "math_over_flash_prefill" in row:
+        parts.append(f"raw math/flash prefill attention {row['math_over_flash_prefill']:.2f} (CPU "
+                     f"{row['math_over_flash_prefill_cpu']:.2f}, same ids {row['same_ids_math_over_flash_prefill']})")
     if "grouped_over_repeated_kv" in row:
         parts.append(f"raw grouped/repeated-KV prefill attention {row['grouped_over_repeated_kv']:.2f} (CPU "
                      f"{row['grouped_over_repeated_kv_cpu']:.2f}, same ids {row['same_ids_grouped_over_repeated_kv']})")
@@ -531,7 +549,7 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
 RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
           "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
-          "wide_over_narrow_packs_cpu",
+          "wide_over_narrow_packs_cpu", "math_over_flash_prefill", "math_over_flash_prefill_cpu",
           "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
 
 
@@ -568,6 +586,7 @@ def summary_line(r: dict) -> str:
              ratio("kept_over_fresh_slab", "kept/fresh slab"),
              ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
              ratio("wide_over_narrow_packs", "wide/narrow bf16 packs"),
+             ratio("math_over_flash_prefill", "math/flash bf16 prefill attention"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),

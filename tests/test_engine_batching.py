@@ -370,17 +370,8 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
     assert torch.allclose(out[True], out[False], atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slab_prefill_attention_has_sdpas_bits(dtype):
-    """Grouped-query heads in the kernel (no repeat_kv copy) give exactly transformers' sdpa output,
-    on strided slab views under 4D masks, bool and additive; without a mask it is sdpa itself."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from whale.engine.attention import slab_prefill_attention
-
-    class Module:
-        num_key_value_groups, is_causal = 3, True
-
+def _prefill_attention_cases(dtype):
+    """(query, strided slab key/value views, bool mask) at a few prefill shapes, 9 query heads on 3."""
     gen = torch.Generator().manual_seed(0)
     for rows, width, cols in ((1, 1, 9), (3, 17, 40), (5, 64, 130), (2, 130, 200)):
         q = torch.randn(rows, 9, width, 64, generator=gen).to(dtype)
@@ -388,12 +379,61 @@ def test_slab_prefill_attention_has_sdpas_bits(dtype):
         k, v = slab[0, 1 : rows + 1, :, :cols], slab[1, 1 : rows + 1, :, :cols]
         allowed = torch.rand(rows, 1, width, cols, generator=gen) > 0.3
         allowed[..., 0] = True
+        yield q, k, v, allowed
+
+
+class _GroupedAttention:
+    num_key_value_groups, is_causal = 3, True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slab_prefill_attention_has_sdpas_bits(dtype, monkeypatch):
+    """Grouped-query heads in the kernel (no repeat_kv copy) give exactly transformers' sdpa output,
+    on strided slab views under 4D masks, bool and additive; without a mask it is sdpa itself. (bf16
+    with the math path off: that path's own test is below.)"""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from whale.engine import attention
+
+    monkeypatch.setattr(attention, "MATH_PREFILL", False)
+    for q, k, v, allowed in _prefill_attention_cases(dtype):
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         for mask in (allowed, additive, None):
-            ours, _ = slab_prefill_attention(Module(), q, k, v, mask, scaling=0.125)
-            theirs, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.125)
-            assert ours.shape == (rows, width, 9, 64)
+            ours, _ = attention.slab_prefill_attention(_GroupedAttention(), q, k, v, mask, scaling=0.125)
+            theirs, _ = sdpa_attention_forward(_GroupedAttention(), q, k, v, mask, scaling=0.125)
+            assert ours.shape == (q.shape[0], q.shape[2], 9, 64)
             assert torch.equal(ours, theirs)
+
+
+def test_bf16_prefill_attention_on_the_math_path_is_attention():
+    """bf16 prefill attention as matmul-softmax-matmul: within bf16 rounding of float32 attention
+    (query head h on KV head h // 3), bool and additive masks alike; float32 keeps sdpa's bits; a
+    query that sees no column is left to sdpa (the math path would give NaN)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from whale.engine import attention
+
+    for q, k, v, allowed in _prefill_attention_cases(torch.bfloat16):
+        rows, _, width, _ = q.shape
+        if width == 1:
+            continue  # one query token: the wrapper's own path
+        additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
+        kf, vf = (t.float().repeat_interleave(3, dim=1) for t in (k, v))
+        scores = (q.float() @ kf.transpose(-1, -2) * 0.125).masked_fill(~allowed, float("-inf"))
+        want = (torch.softmax(scores, -1) @ vf).transpose(1, 2)
+        assert attention.math_prefill_serves(q, k, allowed)
+        for mask in (allowed, additive):
+            ours, _ = attention.slab_prefill_attention(_GroupedAttention(), q, k, v, mask, scaling=0.125)
+            assert ours.shape == (rows, width, 9, 64) and ours.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), want, atol=2e-2, rtol=2e-2)
+        blind = allowed.clone()
+        blind[0, 0, 0] = False  # one query sees nothing
+        assert not attention.math_prefill_serves(q, k, blind)
+        ours, _ = attention.slab_prefill_attention(_GroupedAttention(), q, k, v, blind, scaling=0.125)
+        theirs, _ = sdpa_attention_forward(_GroupedAttention(), q, k, v, blind, scaling=0.125)
+        assert torch.equal(ours, theirs)
+    for q, k, v, allowed in _prefill_attention_cases(torch.float32):
+        assert not attention.math_prefill_serves(q, k, allowed)
 
 
 def test_prefill_attention_switch_keeps_the_logits(engine):
