@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from legacy import legacy_engine  # noqa: E402
-from workloads import (WORKLOADS, Recorder, delta, episodes_of, fresh, generated, load_workload,  # noqa: E402
-                       replay_chained, replay_waves)
+from replay import Recorder, delta, episodes_of, fresh, generated, replay_chained, replay_waves  # noqa: E402
+from workloads import WORKLOADS, load_workload  # noqa: E402
 from whale.harness.runner import RolloutRunner  # noqa: E402
 
 

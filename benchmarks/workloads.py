@@ -41,15 +41,12 @@ bandwidth), and peak memory. `--repeat` alternates the variants; ratios are per 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import queue
 import resource
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -59,14 +56,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from engine_settings import (fresh_slab, flash_prefill, narrow_packs, on_threads, repeated_kv,  # noqa: E402
+                             switch_interval, unmixed, unpacked)
 from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
+from replay import (Recorder, delta, episodes_of, fresh, generated, replay_chained, replay_waves,  # noqa: E402
+                    timed)
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
-from whale.engine import attention, make_engine, packed  # noqa: E402
+from whale.engine import make_engine  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
 from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
-from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
+from whale.harness.runner import RolloutRunner, sampling_from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {  # config, harness (None: the domain's h0), extra overrides
@@ -88,90 +89,6 @@ class Workload(NamedTuple):
     engine: object
 
 
-@contextlib.contextmanager
-def fresh_slab(engine):
-    """The hf engine's KV slab without kept storage: fresh memory for every growth (set aside, not
-    freed, so the variants after this one find their kept buffers again)."""
-    slab = engine.scheduler.slab
-    saved = slab.keep_storage, slab.buffers
-    slab.keep_storage, slab.buffers = False, []
-    try:
-        yield
-    finally:
-        slab.keep_storage, slab.buffers = saved
-
-
-@contextlib.contextmanager
-def engine_setting(engine, name: str, value):
-    """The hf engine with attribute `name` set to `value` inside (its thread reads it at every step)."""
-    saved = getattr(engine, name)
-    setattr(engine, name, value)
-    try:
-        yield
-    finally:
-        setattr(engine, name, saved)
-
-
-def unpacked(engine):
-    """Every Linear on plain sgemm, as before engine/packed.py."""
-    return engine_setting(engine, "packed_linears", None)
-
-
-def on_threads(engine, threads: int):
-    """The engine thread's forwards on `threads` intra-op threads (it sets its count at every step)."""
-    return engine_setting(engine, "cpu_threads", threads)
-
-
-@contextlib.contextmanager
-def switch_interval(seconds: float):
-    """The interpreter's GIL switch interval at `seconds` inside (sys.setswitchinterval)."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
-def unmixed(engine):
-    """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
-    return engine_setting(engine, "mixed_forwards", False)
-
-
-@contextlib.contextmanager
-def repeated_kv():
-    """Prefill attention through transformers' sdpa wrapper (each KV head copied per query head it
-    serves, as before engine/attention.py's `slab_prefill_attention`)."""
-    saved = attention.GROUPED_PREFILL
-    attention.GROUPED_PREFILL = False
-    try:
-        yield
-    finally:
-        attention.GROUPED_PREFILL = saved
-
-
-@contextlib.contextmanager
-def narrow_packs():
-    """bfloat16 packs up to packed.MAX_ROWS rows only (before the checked wide widths)."""
-    saved = packed.WIDE_MAX_ROWS
-    packed.WIDE_MAX_ROWS = packed.MAX_ROWS
-    try:
-        yield
-    finally:
-        packed.WIDE_MAX_ROWS = saved
-
-
-@contextlib.contextmanager
-def flash_prefill():
-    """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
-    saved = attention.MATH_PREFILL
-    attention.MATH_PREFILL = False
-    try:
-        yield
-    finally:
-        attention.MATH_PREFILL = saved
-
-
 def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Workload:
     config_path, harness_path, extra = WORKLOADS[name]
     cfg = load_config(ROOT / config_path, [*extra, *overrides, f"domain.splits.test={problems}", "runner.lockstep=never"])
@@ -181,141 +98,6 @@ def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Worklo
                     make_engine(cfg))
 
 
-class Recorder:
-    """The engine, recording every submitted request (the runner's exact calls)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.returns_ids, self.weight_sync = engine.returns_ids, engine.weight_sync
-        self.requests: list[GenerationRequest] = []
-
-    @property
-    def weights_version(self):
-        return self.engine.weights_version
-
-    def submit(self, request, sampling):
-        self.requests.append(request)
-        return self.engine.submit(request, sampling)
-
-    def generate(self, requests, sampling):
-        return self.engine.generate(requests, sampling)
-
-    def count_tokens(self, messages):
-        return self.engine.count_tokens(messages)
-
-    def lockstep(self, clients, hold_s=1.0):
-        gate = self.engine.lockstep(clients, hold_s)
-        return None if gate is None else _RecordedGate(gate, self.requests)
-
-    def load_weights(self, path, version):
-        self.engine.load_weights(path, version)
-
-    def close(self):
-        pass
-
-
-class _RecordedGate:
-    def __init__(self, gate, requests):
-        self.gate, self.requests = gate, requests
-
-    def submit(self, client, order, request, sampling):
-        self.requests.append(request)
-        return self.gate.submit(client, order, request, sampling)
-
-    def leave(self, client):
-        self.gate.leave(client)
-
-    def close(self):
-        self.gate.close()
-
-    @property
-    def breaks(self):
-        return self.gate.breaks
-
-
-def episodes_of(requests, problems, samples, seed, max_calls):
-    """The recorded requests grouped per episode, in call order (by their derived seeds)."""
-    where = {derive_seed(seed, p.id, s, c): (i * samples + s, c)
-             for i, p in enumerate(problems) for s in range(samples) for c in range(max_calls)}
-    episodes: list[dict[int, GenerationRequest]] = [{} for _ in range(len(problems) * samples)]
-    for r in requests:
-        e, c = where[r.seed]
-        episodes[e][c] = r
-    return [[ep[c] for c in sorted(ep)] for ep in episodes]
-
-
-def replay_chained(engine, episodes, sampling, concurrency):
-    """Each episode's calls in order, `concurrency` episodes at once; returns (seconds, generations).
-
-    Submissions go through a dispatcher thread (as the runner's event loop does), never from the
-    engine's own thread, so tokenising the next call does not steal the model thread's time."""
-    todo: queue.Queue = queue.Queue()
-    results: list[list] = [[] for _ in episodes]
-    finished = threading.Event()
-    state = {"next": 0, "left": len(episodes)}
-
-    def done(e, c, future):
-        results[e].append(future.result())
-        todo.put((e, c + 1) if c + 1 < len(episodes[e]) else ("end", e))
-
-    def start_next():
-        if state["next"] < len(episodes):
-            todo.put((state["next"], 0))
-            state["next"] += 1
-
-    def dispatch():
-        while True:
-            e, c = todo.get()
-            if e == "stop":
-                return
-            if e == "end":
-                state["left"] -= 1
-                if state["left"] == 0:
-                    finished.set()
-                start_next()
-                continue
-            engine.submit(episodes[e][c], sampling).add_done_callback(lambda f, e=e, c=c: done(e, c, f))
-
-    t0 = time.perf_counter()
-    for _ in range(min(concurrency, len(episodes))):
-        start_next()
-    thread = threading.Thread(target=dispatch, daemon=True)
-    thread.start()
-    finished.wait()
-    seconds = time.perf_counter() - t0
-    todo.put(("stop", 0))
-    thread.join()
-    return seconds, [g for ep in results for g in ep]
-
-
-def timed(fn, *args):
-    """(wall seconds, process CPU seconds, result) of fn(*args); CPU time is steadier on a shared machine."""
-    c0 = time.process_time()
-    seconds, out = fn(*args)
-    return seconds, time.process_time() - c0, out
-
-
-def replay_waves(engine, episodes, sampling):
-    """All episodes' i-th calls in one generate, wave after wave; returns (seconds, generations)."""
-    out = []
-    t0 = time.perf_counter()
-    for c in range(max(len(ep) for ep in episodes)):
-        out += engine.generate([ep[c] for ep in episodes if len(ep) > c], sampling)
-    return time.perf_counter() - t0, out
-
-
-def generated(gens) -> int:
-    return sum(g.completion_tokens for gs in gens for g in gs)
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
-def fresh(engine) -> dict:
-    """Clear the prefix cache (a weight push with the same version does) and snapshot the stats."""
-    engine.load_weights(None, engine.weights_version)
-    return dict(engine.stats)
 
 
 VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")

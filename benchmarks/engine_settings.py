@@ -1,0 +1,94 @@
+"""The engine settings benchmarks/workloads.py compares a raw replay under (its variants): each a
+context manager that changes one thing inside and restores it after, so every variant of a repeat
+runs on the same engine, side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from whale.engine import attention, packed
+
+
+@contextlib.contextmanager
+def fresh_slab(engine):
+    """The hf engine's KV slab without kept storage: fresh memory for every growth (set aside, not
+    freed, so the variants after this one find their kept buffers again)."""
+    slab = engine.scheduler.slab
+    saved = slab.keep_storage, slab.buffers
+    slab.keep_storage, slab.buffers = False, []
+    try:
+        yield
+    finally:
+        slab.keep_storage, slab.buffers = saved
+
+
+@contextlib.contextmanager
+def engine_setting(engine, name: str, value):
+    """The hf engine with attribute `name` set to `value` inside (its thread reads it at every step)."""
+    saved = getattr(engine, name)
+    setattr(engine, name, value)
+    try:
+        yield
+    finally:
+        setattr(engine, name, saved)
+
+
+def unpacked(engine):
+    """Every Linear on plain sgemm, as before engine/packed.py."""
+    return engine_setting(engine, "packed_linears", None)
+
+
+def on_threads(engine, threads: int):
+    """The engine thread's forwards on `threads` intra-op threads (it sets its count at every step)."""
+    return engine_setting(engine, "cpu_threads", threads)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """The interpreter's GIL switch interval at `seconds` inside (sys.setswitchinterval)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def unmixed(engine):
+    """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
+    return engine_setting(engine, "mixed_forwards", False)
+
+
+@contextlib.contextmanager
+def repeated_kv():
+    """Prefill attention through transformers' sdpa wrapper (each KV head copied per query head it
+    serves, as before engine/attention.py's `slab_prefill_attention`)."""
+    saved = attention.GROUPED_PREFILL
+    attention.GROUPED_PREFILL = False
+    try:
+        yield
+    finally:
+        attention.GROUPED_PREFILL = saved
+
+
+@contextlib.contextmanager
+def narrow_packs():
+    """bfloat16 packs up to packed.MAX_ROWS rows only (before the checked wide widths)."""
+    saved = packed.WIDE_MAX_ROWS
+    packed.WIDE_MAX_ROWS = packed.MAX_ROWS
+    try:
+        yield
+    finally:
+        packed.WIDE_MAX_ROWS = saved
+
+
+@contextlib.contextmanager
+def flash_prefill():
+    """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
+    saved = attention.MATH_PREFILL
+    attention.MATH_PREFILL = False
+    try:
+        yield
+    finally:
+        attention.MATH_PREFILL = saved
