@@ -264,6 +264,12 @@ def engine_time(name: str, wall: float, stats: dict) -> dict:
             f"{name}_idle_s": wall - stats["step_seconds"], f"{name}_slab_fresh_s": stats["slab_fresh_seconds"]}
 
 
+AGAINST_RAW = (("packed_over_unpacked", "raw packed/unpacked GEMMs"), ("wide_over_narrow_packs", "raw wide/narrow packs"),
+               ("math_over_flash_prefill", "raw math/flash prefill attention"),
+               ("grouped_over_repeated_kv", "raw grouped/repeated-KV prefill attention"),
+               ("kept_over_fresh_slab", "kept/fresh slab"))  # the raw replay under a setting: key, label
+
+
 def describe(row: dict) -> str:
     """One repeat's line: whatever of it was measured."""
     parts = [f"runner {row['runner_eps']:.2f} ep/s"]
@@ -284,21 +290,9 @@ def describe(row: dict) -> str:
     if "mixed_over_unmixed" in row:
         parts.append(f"raw mixed/unmixed {row['mixed_over_unmixed']:.2f} (CPU {row['mixed_over_unmixed_cpu']:.2f}, "
                      f"{row['mixed_forwards']} mixed forwards, same ids {row['same_ids_mixed_over_unmixed']})")
-    if "packed_over_unpacked" in row:
-        parts.append(f"raw packed/unpacked GEMMs {row['packed_over_unpacked']:.2f} (CPU "
-                     f"{row['packed_over_unpacked_cpu']:.2f}, same ids {row['same_ids_packed_over_unpacked']})")
-    if "wide_over_narrow_packs" in row:
-        parts.append(f"raw wide/narrow packs {row['wide_over_narrow_packs']:.2f} (CPU "
-                     f"{row['wide_over_narrow_packs_cpu']:.2f}, same ids {row['same_ids_wide_over_narrow_packs']})")
-    if "math_over_flash_prefill" in row:
-        parts.append(f"raw math/flash prefill attention {row['math_over_flash_prefill']:.2f} (CPU "
-                     f"{row['math_over_flash_prefill_cpu']:.2f}, same ids {row['same_ids_math_over_flash_prefill']})")
-    if "grouped_over_repeated_kv" in row:
-        parts.append(f"raw grouped/repeated-KV prefill attention {row['grouped_over_repeated_kv']:.2f} (CPU "
-                     f"{row['grouped_over_repeated_kv_cpu']:.2f}, same ids {row['same_ids_grouped_over_repeated_kv']})")
-    if "kept_over_fresh_slab" in row:
-        parts.append(f"kept/fresh slab {row['kept_over_fresh_slab']:.2f} (CPU {row['kept_over_fresh_slab_cpu']:.2f}, "
-                     f"same ids {row['same_ids_kept_over_fresh_slab']})")
+    for key, label in AGAINST_RAW:
+        if key in row:
+            parts.append(f"{label} {row[key]:.2f} (CPU {row[key + '_cpu']:.2f}, same ids {row['same_ids_' + key]})")
     if "runner_over_threads" in row:
         mine, other = row["threads"]
         parts.append(f"{mine} vs {other} engine threads: runner {row['runner_over_threads']:.2f}, raw "
