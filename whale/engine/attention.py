@@ -46,12 +46,23 @@ def slab_decode_attention(module, query, key, value, attention_mask, scaling=Non
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     rows, q_heads, _, dim = query.shape
-    kv_heads = key.shape[1]
+    return _grouped_attention(query, key, value, attention_mask, scaling).reshape(rows, 1, q_heads, dim), None
+
+
+def _grouped_attention(query, key, value, additive_mask, scaling=None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for query [rows, q_heads, width, dim] over key/value [rows,
+    kv_heads, cols, dim], the `group` query heads of a KV head stacked into one [group * width, dim]
+    GEMM operand (query head h reads KV head h // group, as transformers' repeat_kv has it); fp32
+    scores and softmax, under an fp32 additive mask [rows, 1, width, cols]. Returns [rows, q_heads,
+    width, dim] (contiguous). The decode and the bf16 prefill attention are this one computation."""
+    rows, q_heads, width, dim = query.shape
+    kv_heads, cols = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim ** -0.5
-    q = query.reshape(rows, kv_heads, q_heads // kv_heads, dim)  # query head h reads kv head h // group
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale).add_(attention_mask)
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    return out.reshape(rows, 1, q_heads, dim), None
+    q = query.reshape(rows, kv_heads, q_heads // kv_heads * width, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale).view(rows, q_heads, width, cols)
+    scores.add_(additive_mask)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(rows, kv_heads, q_heads // kv_heads * width, cols)
+    return torch.matmul(probs, value).view(rows, q_heads, width, dim)
 
 
 AttentionInterface.register(NAME, slab_decode_attention)
@@ -113,19 +124,10 @@ def _prepared(mask: torch.Tensor) -> tuple[bool, torch.Tensor]:
 
 
 def grouped_math_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
-    """Attention of query [rows, q_heads, width, dim] over key/value [rows, kv_heads, cols, dim] under
-    a 4D mask [rows, 1, width, cols] (bool: True attends; else additive), the `group` query heads of
-    a KV head stacked into one [group * width, dim] GEMM operand (query head h reads KV head
-    h // group, as transformers' repeat_kv has it). Returns [rows, width, q_heads, dim]."""
-    rows, q_heads, width, dim = query.shape
-    kv_heads, cols = key.shape[1], key.shape[2]
-    scale = scaling if scaling is not None else dim ** -0.5
-    q = query.reshape(rows, kv_heads, q_heads // kv_heads * width, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale).view(rows, q_heads, width, cols)
-    scores.add_(_prepared(mask)[1])
-    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(rows, kv_heads, q_heads // kv_heads * width, cols)
-    out = torch.matmul(probs, value).view(rows, q_heads, width, dim)
-    return out.transpose(1, 2).contiguous()
+    """Prefill attention of query [rows, q_heads, width, dim] over key/value [rows, kv_heads, cols,
+    dim] under a 4D mask [rows, 1, width, cols] (bool: True attends; else additive) as the decode
+    attention computes it (`_grouped_attention`). Returns [rows, width, q_heads, dim]."""
+    return _grouped_attention(query, key, value, _prepared(mask)[1], scaling).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(PREFILL_NAME, slab_prefill_attention)

@@ -151,17 +151,19 @@ def _bfloat16_available() -> bool:
         return False
 
 
+def _same_bits_at(weight: torch.Tensor, pack: torch.Tensor, matmul: Callable, rows: int) -> bool:
+    """Whether `pack` gives `F.linear`'s bits on `rows` seeded random rows (at this thread's count)."""
+    gen = torch.Generator().manual_seed(rows * 7919 + weight.shape[1])
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+    return torch.equal(matmul(x, pack, weight.shape[0]), torch.nn.functional.linear(x, weight))
+
+
 def pack_bfloat16_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed form of a bfloat16 `weight` [out, in], or None where its products would not
     have the plain `F.linear` bits: both are computed at `BITS_CHECK_ROWS` rows on seeded inputs."""
     weight = weight.detach().contiguous()
     pack = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    gen = torch.Generator().manual_seed(weight.shape[0] * 7919 + weight.shape[1])
-    for m in BITS_CHECK_ROWS:
-        x = torch.randn(m, weight.shape[1], generator=gen).to(torch.bfloat16)
-        if not torch.equal(bfloat16_packed_matmul(x, pack), torch.nn.functional.linear(x, weight)):
-            return None
-    return pack
+    return pack if all(_same_bits_at(weight, pack, bfloat16_packed_matmul, m) for m in BITS_CHECK_ROWS) else None
 
 
 def bfloat16_packed_matmul(x: torch.Tensor, pack: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
@@ -180,13 +182,6 @@ class _Kind(NamedTuple):
 
 _KINDS = {torch.float32: _Kind(_float32_available, pack_weight, packed_matmul, wide=False),
           torch.bfloat16: _Kind(_bfloat16_available, pack_bfloat16_weight, bfloat16_packed_matmul, wide=True)}
-
-
-def _same_bits_at(weight: torch.Tensor, pack: torch.Tensor, matmul: Callable, rows: int) -> bool:
-    """Whether `pack` gives `F.linear`'s bits on `rows` seeded random rows (at this thread's count)."""
-    gen = torch.Generator().manual_seed(rows * 7919 + weight.shape[1])
-    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-    return torch.equal(matmul(x, pack, weight.shape[0]), torch.nn.functional.linear(x, weight))
 
 
 class PackedLinears:
