@@ -17,6 +17,19 @@ Unwritten columns are zeros and stale columns hold finite values from earlier se
 columns get zero attention weight, and 0 x finite = 0 (0 x NaN would not be), which is why the
 slab starts zeroed and why padding queries attend column 0 instead of nothing.
 
+Columns. A CPU decode step reads every column of the live rows (engine/attention.py: a contiguous
+block, because oneDNN's bf16 batched GEMM on a column-sliced view ran 2-5x slower than on a
+contiguous block), so each column held beyond the longest live row costs on every step, while a
+growth costs once (one copy of the slab, about two steps' reads). So columns grow only to the next
+multiple of 64 past what is asked, not by half: a sequence growing a column per step then copies
+the slab once per 64 steps (a few percent of what those steps read), and the slab holds at most 63
+columns beyond its longest row instead of up to a third more. Measured on search QA (16 x 4, the
+2-core AMX Xeon, bf16, chained replays alternating the two growths): the decode steps read 0.82x the
+rows x columns (1.14-1.25x what the longest live row needs, against 1.50-1.56x), the decode attention
+took 1.88 s against 2.17 s per replay (-13%), the replay ~2% less (end to end no effect shown,
+docs/throughput.md). In bf16 the column count changes no bits there; in float32 MKL's product over
+385-639 columns can (docs/design.md, "Column growth").
+
 Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
 memory costs page faults on its first touch: measured on the math workload (64 episodes, slab
 growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a 10-12 s
@@ -44,6 +57,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import Cache
+
+COLUMN_STEP = 64  # columns are allocated in multiples of this
+COLUMN_GROWTH = 0.0  # and grow by at least this fraction of what is held (0.5 before; benchmarks compare)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -93,11 +109,12 @@ class KVSlab:
         """Make room for `rows` rows of `cols` columns, keeping what is stored."""
         if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
             return
-        # grow by half at least, so rows joining one by one (or a sequence growing one column per
-        # step) copy the slab a logarithmic number of times, not on every join
+        # rows grow by half at least, so rows joining one by one copy the slab a logarithmic number
+        # of times, not on every join; columns grow to the next multiple of COLUMN_STEP (module
+        # docstring, "Columns")
         new_rows = self.rows if rows <= self.rows else max(rows, self.rows + self.rows // 2, 4)
-        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
-        new_cols = -(-new_cols // 64) * 64
+        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + int(self.cols * COLUMN_GROWTH))
+        new_cols = -(-new_cols // COLUMN_STEP) * COLUMN_STEP
         old = self.data
         self.rows, self.cols = new_rows, new_cols
         if self.kind is not None:
