@@ -30,21 +30,21 @@ took 1.88 s against 2.17 s per replay (-13%), the replay ~2% less (end to end no
 docs/throughput.md). In bf16 the column count changes no bits there; in float32 MKL's product over
 385-639 columns can (docs/design.md, "Column growth").
 
-Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
-memory costs page faults on its first touch: measured on the math workload (64 episodes, slab
-growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a 10-12 s
-batch, against 0.02 s for the copies themselves. So on CPU a cleared slab keeps its storage: two
-flat buffers (the live slab's and the one the next growth copies into) are reused by every later
+Storage (CPU). A slab grows (rows by half, columns as above) when rows join or columns run out, and
+a new tensor of fresh memory costs page faults on its first touch: measured on the math workload (64
+episodes, slab growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a
+10-12 s batch, against 0.02 s for the copies themselves. So on CPU a cleared slab keeps its storage:
+two flat buffers (the live slab's and the one the next growth copies into) are reused by every later
 batch, and only a slab larger than any before touches new memory. The slab's shapes are exactly
 those of a fresh slab (same growth from empty after every clear), so no forward sees a different
-shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is
-the same invariant as above. A new buffer is made as large as the largest kept one, so the two
-converge to the largest slab. The price is up to twice the largest slab held while idle (about
-1.2 GiB for SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching
-allocator reuses blocks without faults) a clear frees the storage as before. `fresh_bytes` and
-`fresh_seconds` count the new storage and the time its zeroing took (the page faults: 2-3 ms per
-MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
-so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
+shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is the
+same invariant as above. A new buffer is made as large as the largest kept one, so the two converge
+to the largest slab. The price is up to twice the largest slab held while idle (about 1.2 GiB for
+SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching allocator reuses
+blocks without faults) a clear frees the storage as before. `fresh_bytes` and `fresh_seconds` count
+the new storage and the time its zeroing took (the page faults: 2-3 ms per MiB on the 2-core AMX
+Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab), so a benchmark can
+tell this one-off cost of an engine's first slab of a size from its steady state.
 """
 
 from __future__ import annotations
