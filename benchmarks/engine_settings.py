@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from whale.engine import attention, kv, packed
+from whale.engine import attention, packed
 
 
 @contextlib.contextmanager
@@ -76,9 +76,3 @@ def narrow_packs():
 def flash_prefill():
     """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
     return setting(attention, "MATH_PREFILL", False)
-
-
-def half_columns():
-    """The KV slab's columns growing by half at least (before kv.COLUMN_GROWTH was 0: the next
-    multiple of 64 past what is asked)."""
-    return setting(kv, "COLUMN_GROWTH", 0.5)

@@ -15,8 +15,6 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           engine/attention.py's math path
   repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
           each KV head per query head it serves, as before engine/attention.py's grouped prefill
-  halfcols the raw replay with the KV slab's columns growing by half, as before they grew to the
-          next multiple of 64 (engine/kv.py, "Columns")
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
           kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
@@ -58,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_settings import (fresh_slab, flash_prefill, half_columns, narrow_packs, on_threads, repeated_kv,  # noqa: E402
+from engine_settings import (fresh_slab, flash_prefill, narrow_packs, on_threads, repeated_kv,  # noqa: E402
                              switch_interval, unmixed, unpacked)
 from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
@@ -102,9 +100,9 @@ def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Worklo
 
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "halfcols", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
 NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"},
-         "repeatkv": {"runner", "raw"}, "halfcols": {"runner", "raw"}, "fresh": {"runner", "raw"},
+         "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"},
          "waves": {"runner"},
          "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
@@ -141,9 +139,6 @@ def run_workload(name, args, limits) -> dict:
     if args.prime:  # each repeat's calls once: the slab's kept storage reaches what the measured runs need
         for rep in range(args.repeat):
             runner.run(harness, problems, samples=args.k, seed=rep)
-            if "halfcols" in variants:  # its wider slab's storage, zeroed here rather than in its first repeat
-                with half_columns():
-                    runner.run(harness, problems, samples=args.k, seed=rep)
     if runner_lockstep is not None:
         runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
     if old is not None:
@@ -215,8 +210,6 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         row.update(against_raw("math_over_flash_prefill", flash_prefill()))
     if "repeatkv" in variants:
         row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
-    if "halfcols" in variants:
-        row.update(against_raw("tight_over_half_columns", half_columns()))
     if "fresh" in variants:
         row.update(against_raw("kept_over_fresh_slab", fresh_slab(engine)))
     if "waves" in variants:
@@ -274,7 +267,6 @@ def engine_time(name: str, wall: float, stats: dict) -> dict:
 AGAINST_RAW = (("packed_over_unpacked", "raw packed/unpacked GEMMs"), ("wide_over_narrow_packs", "raw wide/narrow packs"),
                ("math_over_flash_prefill", "raw math/flash prefill attention"),
                ("grouped_over_repeated_kv", "raw grouped/repeated-KV prefill attention"),
-               ("tight_over_half_columns", "raw 64-step/half column growth"),
                ("kept_over_fresh_slab", "kept/fresh slab"))  # the raw replay under a setting: key, label
 
 
@@ -334,7 +326,6 @@ RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_ove
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
           "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
           "wide_over_narrow_packs_cpu", "math_over_flash_prefill", "math_over_flash_prefill_cpu",
-          "tight_over_half_columns", "tight_over_half_columns_cpu",
           "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
 
 
@@ -372,7 +363,6 @@ def summary_line(r: dict) -> str:
              ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
              ratio("wide_over_narrow_packs", "wide/narrow bf16 packs"),
              ratio("math_over_flash_prefill", "math/flash bf16 prefill attention"),
-             ratio("tight_over_half_columns", "64-step/half KV column growth"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),

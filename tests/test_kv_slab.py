@@ -4,7 +4,6 @@ import torch
 
 from whale.engine.base import GenerationRequest, SamplingParams
 from whale.engine.hf import HFEngine
-from whale.engine import kv
 from whale.engine.kv import KVSlab
 
 GROWTH = [(3, 40), (5, 40), (9, 70), (9, 130), (14, 130)]  # (rows, cols) a batch asks for, in order
@@ -56,21 +55,6 @@ def test_a_bigger_slab_replaces_the_smaller_free_buffer_and_two_at_most_are_kept
     assert len(slab.buffers) == 2
     assert float(slab.data[0, 0, 13, 0, 0, 0]) == len(GROWTH)
     assert slab.storage_bytes < 3 * slab.nbytes
-
-
-def test_columns_grow_to_the_next_multiple_of_64_past_what_is_asked(monkeypatch):
-    """A CPU decode step reads every column the slab holds (engine/kv.py, "Columns"): a growth
-    leaves at most 63 columns beyond what was asked, where growing by half held up to a third more."""
-    slab = KVSlab(2, torch.device("cpu"), keep_storage=False)
-    slab.layer(0, torch.zeros(1, 2, 1, 8))
-    asked_and_held = [(100, 128), (130, 192), (200, 256), (257, 320), (300, 320), (321, 384)]
-    for asked, held in asked_and_held:
-        slab.reserve(4, asked)
-        assert slab.cols == held
-    monkeypatch.setattr(kv, "COLUMN_GROWTH", 0.5)  # the growth before: by half at least
-    slab.reserve(4, 385)
-    assert slab.cols == 576
-    assert slab.rows == 4 and float(slab.data.abs().sum()) == 0.0  # rows as asked; the copies held zeros
 
 
 def run(engine, prompts):

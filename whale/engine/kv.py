@@ -17,34 +17,30 @@ Unwritten columns are zeros and stale columns hold finite values from earlier se
 columns get zero attention weight, and 0 x finite = 0 (0 x NaN would not be), which is why the
 slab starts zeroed and why padding queries attend column 0 instead of nothing.
 
-Columns. A CPU decode step reads every column of the live rows (engine/attention.py: a contiguous
-block, because oneDNN's bf16 batched GEMM on a column-sliced view ran 2-5x slower than on a
-contiguous block), so each column held beyond the longest live row costs on every step, while a
-growth costs once (one copy of the slab, about two steps' reads). So columns grow only to the next
-multiple of 64 past what is asked, not by half: a sequence growing a column per step then copies
-the slab once per 64 steps (a few percent of what those steps read), and the slab holds at most 63
-columns beyond its longest row instead of up to a third more. Measured on search QA (16 x 4, the
-2-core AMX Xeon, bf16, chained replays alternating the two growths): the decode steps read 0.82x the
-rows x columns (1.14-1.25x what the longest live row needs, against 1.50-1.56x), the decode attention
-took 1.88 s against 2.17 s per replay (-13%), the replay ~2% less (end to end no effect shown,
-docs/throughput.md). In bf16 the column count changes no bits there; in float32 MKL's product over
-385-639 columns can (docs/design.md, "Column growth").
+Columns grow by half, like rows, though a CPU decode step reads every column the slab holds (a
+contiguous block, engine/attention.py: oneDNN's bf16 batched GEMM on a column-sliced view ran 2-5x
+slower), so up to a third of what it reads can be beyond every live row. Session 28 grew columns to
+the next multiple of 64 instead: on search QA the decode steps read 0.82x the columns and their
+attention took 13% less time, but whole replays showed no effect (0.98 [0.93, 1.04]), and every
+growth past the largest slab so far zeroes a new buffer (below): a first batch decoding from 300 to
+1,500 columns zeroed 12x the final slab's bytes (2.6x growing by half), about a minute of page
+faults for SmolLM2 at 64 rows. So it was not kept (docs/design.md, "KV layout").
 
-Storage (CPU). A slab grows (rows by half, columns as above) when rows join or columns run out, and
-a new tensor of fresh memory costs page faults on its first touch: measured on the math workload (64
-episodes, slab growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a
-10-12 s batch, against 0.02 s for the copies themselves. So on CPU a cleared slab keeps its storage:
-two flat buffers (the live slab's and the one the next growth copies into) are reused by every later
+Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
+memory costs page faults on its first touch: measured on the math workload (64 episodes, slab
+growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a 10-12 s
+batch, against 0.02 s for the copies themselves. So on CPU a cleared slab keeps its storage: two
+flat buffers (the live slab's and the one the next growth copies into) are reused by every later
 batch, and only a slab larger than any before touches new memory. The slab's shapes are exactly
 those of a fresh slab (same growth from empty after every clear), so no forward sees a different
-shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is the
-same invariant as above. A new buffer is made as large as the largest kept one, so the two converge
-to the largest slab. The price is up to twice the largest slab held while idle (about 1.2 GiB for
-SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching allocator reuses
-blocks without faults) a clear frees the storage as before. `fresh_bytes` and `fresh_seconds` count
-the new storage and the time its zeroing took (the page faults: 2-3 ms per MiB on the 2-core AMX
-Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab), so a benchmark can
-tell this one-off cost of an engine's first slab of a size from its steady state.
+shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is
+the same invariant as above. A new buffer is made as large as the largest kept one, so the two
+converge to the largest slab. The price is up to twice the largest slab held while idle (about
+1.2 GiB for SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching
+allocator reuses blocks without faults) a clear frees the storage as before. `fresh_bytes` and
+`fresh_seconds` count the new storage and the time its zeroing took (the page faults: 2-3 ms per
+MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
+so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
 """
 
 from __future__ import annotations
@@ -57,9 +53,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import Cache
-
-COLUMN_STEP = 64  # columns are allocated in multiples of this
-COLUMN_GROWTH = 0.0  # and grow by at least this fraction of what is held (0.5 before; benchmarks compare)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -109,12 +102,11 @@ class KVSlab:
         """Make room for `rows` rows of `cols` columns, keeping what is stored."""
         if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
             return
-        # rows grow by half at least, so rows joining one by one copy the slab a logarithmic number
-        # of times, not on every join; columns grow to the next multiple of COLUMN_STEP (module
-        # docstring, "Columns")
+        # grow by half at least, so rows joining one by one (or a sequence growing one column per
+        # step) copy the slab a logarithmic number of times, not on every join
         new_rows = self.rows if rows <= self.rows else max(rows, self.rows + self.rows // 2, 4)
-        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + int(self.cols * COLUMN_GROWTH))
-        new_cols = -(-new_cols // COLUMN_STEP) * COLUMN_STEP
+        new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
+        new_cols = -(-new_cols // 64) * 64
         old = self.data
         self.rows, self.cols = new_rows, new_cols
         if self.kind is not None:
