@@ -23,8 +23,9 @@ slower), so up to a third of what it reads can be beyond every live row. Session
 the next multiple of 64 instead: on search QA the decode steps read 0.82x the columns and their
 attention took 13% less time, but whole replays showed no effect (0.98 [0.93, 1.04]), and every
 growth past the largest slab so far zeroes a new buffer (below): a first batch decoding from 300 to
-1,500 columns zeroed 12x the final slab's bytes (2.6x growing by half), about a minute of page
-faults for SmolLM2 at 64 rows. So it was not kept (docs/design.md, "KV layout").
+1,500 columns would zero 12x the final slab's bytes (2.6x growing by half; the growth replayed on a
+small slab), about a minute of page faults for SmolLM2 at 64 rows. So it was not kept
+(docs/design.md, "KV layout").
 
 Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
 memory costs page faults on its first touch: measured on the math workload (64 episodes, slab
