@@ -18,7 +18,7 @@ columns get zero attention weight, and 0 x finite = 0 (0 x NaN would not be), wh
 slab starts zeroed and why padding queries attend column 0 instead of nothing.
 
 Columns grow by half, like rows, though a CPU decode step reads every column the slab holds (a
-contiguous block, engine/attention.py: oneDNN's bf16 batched GEMM on a column-sliced view ran 2-5x
+contiguous block, engine/attention.py: oneDNN's bf16 batched GEMM on a column-sliced view ran 2-6x
 slower), so up to a third of what it reads can be beyond every live row. Session 28 grew columns to
 the next multiple of 64 instead: on search QA the decode steps read 0.82x the columns and their
 attention took 13% less time, but whole replays showed no effect (0.98 [0.93, 1.04]), and every
