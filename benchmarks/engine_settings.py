@@ -35,6 +35,21 @@ def setting(owner, name: str, value):
         setattr(owner, name, saved)
 
 
+@contextlib.contextmanager
+def cold_fork_server(runner):
+    """The runner with every run launching its own fork server when it starts, as before
+    whale/harness/fork_server.py's spare: the spare is killed inside, and launched again after (the
+    caller gives it time to start before the next run, as a run's caller usually does)."""
+    spare = runner.spare_fork_server
+    spare.close()
+    runner.spare_fork_server = None
+    try:
+        yield
+    finally:
+        runner.spare_fork_server = spare
+        spare.launch(runner.cfg.runner.sandbox, runner.cfg.runner.concurrency)
+
+
 def unpacked(engine):
     """Every Linear on plain sgemm, as before engine/packed.py."""
     return setting(engine, "packed_linears", None)

@@ -23,6 +23,9 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   threads the runner and the raw replay again with the engine's forwards on `--other-threads`
           intra-op threads (default: every usable core) instead of `model.cpu_threads`' default
   switch  the runner again with the GIL switch interval at `--switch-interval` (Python's default 5 ms)
+  cold    the runner again with each run launching its fork server as it starts, as before
+          whale/harness/fork_server.py's spare (run right after the runner; the raw replay then gives
+          the next repeat's spare its time to start)
 The prefix cache is cleared before every measurement, so no run reuses another's work. The warm-up
 runs each repeat's calls once (`--no-prime` skips it): a KV slab larger than any before zeroes new
 storage (page faults, ~2 s for 750 MiB here), a one-off cost of an engine's first batches of that
@@ -56,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_settings import (fresh_slab, flash_prefill, narrow_packs, on_threads, repeated_kv,  # noqa: E402
-                             switch_interval, unmixed, unpacked)
+from engine_settings import (cold_fork_server, fresh_slab, flash_prefill, narrow_packs, on_threads,  # noqa: E402
+                             repeated_kv, switch_interval, unmixed, unpacked)
 from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
 from replay import (Recorder, delta, episodes_of, fresh, generated, replay_chained, replay_waves,  # noqa: E402
@@ -100,10 +103,10 @@ def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Worklo
 
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch")
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch", "cold")
 NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"},
          "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
-         "threads": {"runner", "raw"}, "switch": {"runner"},
+         "threads": {"runner", "raw"}, "switch": {"runner"}, "cold": {"runner"},
          "waves": {"runner"},
          "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
 
@@ -182,6 +185,14 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
 
     def same(a, b) -> str:
         return f"{sum(x[0].completion_ids == y[0].completion_ids for x, y in zip(a, b))}/{calls}"
+
+    if "cold" in variants:
+        fresh(engine)
+        with cold_fork_server(runner):
+            t0 = time.perf_counter()
+            runner.run(harness, problems, samples=args.k, seed=rep)
+            cold_s = time.perf_counter() - t0
+        row.update(runner_over_cold=cold_s / runner_s, cold_eps=len(trajs) / cold_s)
 
     if "raw" in variants:
         before = fresh(engine)
@@ -301,6 +312,9 @@ def describe(row: dict) -> str:
     if "switch_over_runner" in row:
         parts.append(f"runner at GIL switch interval {row['switch_interval'] * 1e3:g} ms / default: "
                      f"{row['switch_over_runner']:.2f}")
+    if "runner_over_cold" in row:
+        parts.append(f"runner with a spare fork server / cold: {row['runner_over_cold']:.2f} "
+                     f"(cold {row['cold_eps']:.2f} ep/s)")
     if "runner_over_before" in row:
         parts.append(f"runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)")
     return "; ".join(parts)
@@ -326,7 +340,7 @@ RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_ove
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
           "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
           "wide_over_narrow_packs_cpu", "math_over_flash_prefill", "math_over_flash_prefill_cpu",
-          "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner")
+          "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner", "runner_over_cold")
 
 
 def summarize(rows, limits) -> dict:
@@ -368,7 +382,8 @@ def summary_line(r: dict) -> str:
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),
              ratio("runner_over_threads", "runner, default vs other engine threads", "x"),
              ratio("raw_over_threads", "raw, default vs other engine threads", "x"),
-             ratio("switch_over_runner", "runner, short GIL switch interval vs default", "x")]
+             ratio("switch_over_runner", "runner, short GIL switch interval vs default", "x"),
+             ratio("runner_over_cold", "runner, spare vs cold fork server", "x")]
     parts += [f"prefill computed/requested {s['prefill_computed_over_requested']:.2f}",
               f"prefill {s['prefill_tok_s']:.0f} tok/s (limit {s['prefill_limit_tok_s']:.0f})",
               f"decode {s['decode_tok_s']:.0f} tok/s at {s['mean_live_rows']:.1f} rows (limit {s['decode_limit_tok_s']:.0f})",

@@ -36,7 +36,8 @@ from whale.config import Config
 from whale.domains.base import Domain, EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Engine, Generation, GenerationRequest, LockstepGate, SamplingParams
 from whale.harness.progress import ProgressBar
-from whale.harness.sandbox import UIDS, SandboxHost
+from whale.harness.fork_server import SandboxHost, SpareForkServer
+from whale.harness.sandbox import UIDS
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
 from whale.harness.usage import decide_usage, record_mark
 
@@ -143,6 +144,8 @@ class RolloutRunner:
         self._grader = grader
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
+        # the next run's fork server, launched as each run ends (whale/harness/fork_server.py)
+        self.spare_fork_server: SpareForkServer | None = SpareForkServer()
         self.stats: dict[str, float] = {"episodes": 0, "llm_calls": 0, "lockstep_breaks": 0}
         self.last_lockstep_breaks: int | None = None  # see Executor.last_lockstep_breaks
         # called with every finished trajectory of every run (the run directory's in-flight journal)
@@ -159,6 +162,8 @@ class RolloutRunner:
                                      progress, on_episode))
 
     def close(self) -> None:
+        if self.spare_fork_server is not None:
+            self.spare_fork_server.close()
         self.tool_executor.shutdown(wait=False)
         if self._grade_pool is not None:
             self._grade_pool.shutdown(wait=False, cancel_futures=True)
@@ -185,7 +190,7 @@ class RolloutRunner:
 
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
         slots = self.cfg.runner.concurrency
-        host = SandboxHost(source, self.cfg.runner.sandbox, slots)
+        host = SandboxHost(source, self.cfg.runner.sandbox, slots, self.spare_fork_server)
         await host.start()
         jobs = [(i, p, s) for i, p in enumerate(problems) for s in range(samples)]
         results: list[Trajectory | None] = [None] * len(jobs)
@@ -233,6 +238,8 @@ class RolloutRunner:
             await host.close()
             bar.close()
         self.stats["episodes"] += len(jobs)
+        if self.spare_fork_server is not None:
+            self.spare_fork_server.launch(self.cfg.runner.sandbox, slots)
         return results  # type: ignore[return-value]
 
     async def _episode(self, host: SandboxHost, problem: Problem, sample: int, harness_id: str, seed: int,

@@ -1,4 +1,4 @@
-"""Where harness code runs: a bubblewrap sandbox (or a weaker fallback), limits, the fork server.
+"""Where harness code runs: a bubblewrap sandbox (or a weaker fallback), its limits, one-shot tool code.
 
 Layers, strongest first (docs/sandbox.md says exactly what each guarantees):
 1. bubblewrap (`mode: bwrap`, the default when `bwrap` works): new network, PID, IPC and UTS
@@ -11,16 +11,17 @@ Layers, strongest first (docs/sandbox.md says exactly what each guarantees):
    sets no_new_privs and rlimits (address space, CPU seconds, file size, processes, open files).
 Without bubblewrap (`mode: process`) only 2-3 hold: the harness can read what the uid it runs as
 may read and can open network connections. A one-line warning says so.
+
+The fork server a rollout run plays its episodes in is launched and driven by
+whale/harness/fork_server.py, with the command lines and cgroups made here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -108,8 +109,11 @@ class Cgroup:
                 f.write(str(os.getpid()))
 
     def remove(self) -> None:
+        """Remove the cgroup once its processes are gone. A killed sandbox's processes take a few
+        milliseconds to exit, so the retries start at 1 ms: a fixed 20 ms pause cost every rollout
+        run and every sandboxed tool call (math's `env.python`) 20 ms of waiting."""
         for d in self.dirs:
-            for _ in range(50):
+            for attempt in range(60):
                 try:
                     d.rmdir()
                     break
@@ -120,7 +124,7 @@ class Cgroup:
                             os.kill(int(pid), 9)
                     except OSError:
                         pass
-                    time.sleep(0.02)
+                    time.sleep(0.001 * min(2 ** attempt, 20))
 
 
 # ---------------------------------------------------------------- command lines
@@ -263,145 +267,6 @@ def _extra_paths(mode: str, cfg: SandboxConfig) -> list[str]:
 def _limits(cfg: SandboxConfig) -> dict[str, int]:
     return {"memory_mb": cfg.memory_mb, "cpu_seconds": cfg.cpu_seconds,
             "max_processes": cfg.max_processes, "file_bytes": 16 * 1024 * 1024}
-
-
-# ---------------------------------------------------------------- the fork server host
-class SandboxHost:
-    """One sandbox (one fork server) per harness candidate; spawns episodes in it.
-
-    Async: used from the rollout runner's event loop. `spawn` returns the parent's end of the
-    episode's socket as asyncio streams.
-    """
-
-    def __init__(self, source: str, cfg: SandboxConfig, concurrency: int):
-        self.source = source
-        self.cfg = cfg
-        self.mode = resolve_mode(cfg.mode)
-        self.concurrency = concurrency
-        self.proc: subprocess.Popen | None = None
-        self.cgroup: Cgroup | None = None
-        self.exits: dict[str, asyncio.Future] = {}
-        self.spawned: dict[str, asyncio.Future] = {}
-        self.init_error: str | None = None
-        # without bubblewrap an unprivileged uid may not reach the stdlib (e.g. under /root)
-        self.can_drop_privileges = self.mode == "bwrap" or world_readable_stdlib()
-        self._ready: asyncio.Future | None = None
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv, env, cwd = worker_command(self.mode, self.cfg, ["--control-fd", str(child_sock.fileno())])
-        slots = self.concurrency + 2
-        self.cgroup = Cgroup.create(self.cfg.memory_mb * 1024 * 1024 * min(slots, 8),
-                                    self.cfg.max_processes * slots + 8)
-        cg = self.cgroup
-        self.proc = subprocess.Popen(
-            argv, env=env, cwd=cwd, pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=cg.add_self if cg else None,
-        )
-        child_sock.close()
-        self.sock = parent_sock
-        self.sock.setblocking(False)
-        self._ready = loop.create_future()
-        self._reader_task = asyncio.ensure_future(self._read_control())
-        self._send({"op": "init", "source": self.source, "extra_paths": _extra_paths(self.mode, self.cfg)})
-        try:
-            await asyncio.wait_for(self._ready, timeout=60)
-        except asyncio.TimeoutError:
-            self.init_error = "sandbox did not start within 60 s"
-
-    def _send(self, msg: dict, fds: list[int] | None = None) -> None:
-        data = json.dumps(msg).encode() + b"\n"
-        self.sock.setblocking(True)
-        try:
-            if fds:
-                socket.send_fds(self.sock, [data], fds)
-            else:
-                self.sock.sendall(data)
-        finally:
-            self.sock.setblocking(False)
-
-    async def _read_control(self) -> None:
-        loop = asyncio.get_running_loop()
-        buf = b""
-        while True:
-            try:
-                data = await loop.sock_recv(self.sock, 1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                op = msg.get("op")
-                if op == "ready" and not self._ready.done():
-                    self._ready.set_result(True)
-                elif op == "init_error" and not self._ready.done():
-                    self.init_error = msg.get("error", "harness failed to compile")
-                    self._ready.set_result(False)
-                elif op == "spawned":
-                    fut = self.spawned.pop(msg["episode"], None)
-                    if fut and not fut.done():
-                        fut.set_result(msg["pid"])
-                elif op == "exit":
-                    fut = self.exits.get(msg["episode"])
-                    if fut and not fut.done():
-                        fut.set_result(msg["status"])
-        # fork server gone: fail everything still waiting
-        stderr = ""
-        if self.proc and self.proc.stderr:
-            try:
-                stderr = self.proc.stderr.read(2000).decode(errors="replace")
-            except Exception:
-                pass
-        reason = f"sandbox exited: {stderr.strip()[-500:]}" if stderr.strip() else "sandbox exited"
-        if not self._ready.done():
-            self.init_error = reason
-            self._ready.set_result(False)
-        for fut in list(self.spawned.values()) + list(self.exits.values()):
-            if not fut.done():
-                fut.set_result(-1)
-
-    async def spawn(self, episode: str, uid: int | None, seed: int, state: dict, tools: list[str]):
-        loop = asyncio.get_running_loop()
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.exits[episode] = loop.create_future()
-        self.spawned[episode] = loop.create_future()
-        msg = {"op": "spawn", "episode": episode, "uid": uid, "seed": seed, "state": state,
-               "tools": tools, "limits": _limits(self.cfg)}
-        self._send(msg, [child_end.fileno()])
-        child_end.close()
-        await self.spawned[episode]
-        reader, writer = await asyncio.open_unix_connection(sock=parent_end, limit=2 * 1024 * 1024)
-        return reader, writer
-
-    def kill(self, episode: str) -> None:
-        try:
-            self._send({"op": "kill", "episode": episode})
-        except OSError:
-            pass
-
-    def exit_future(self, episode: str) -> asyncio.Future:
-        return self.exits[episode]
-
-    async def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, 9)
-            except OSError:
-                pass
-            await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
-        if getattr(self, "_reader_task", None):
-            self._reader_task.cancel()
-        if self.cgroup:
-            self.cgroup.remove()
 
 
 # ---------------------------------------------------------------- one-shot code execution (tools)
