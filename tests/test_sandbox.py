@@ -6,6 +6,7 @@ reward of 0 is the proof of containment, not just the absence of a crash.
 
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from toy import H0, ScriptedEngine, ToyDomain
 from whale.config import Config
 from whale.harness.runner import RolloutRunner
-from whale.harness.sandbox import bwrap_available, run_python
+from whale.harness.sandbox import Cgroup, bwrap_available, run_python
 
 GOOD = H0.replace('"{question}"', '"Answer correctly: {question}"')
 
@@ -339,3 +340,17 @@ def test_uid_pool_ranges_are_disjoint_and_recycled(monkeypatch):
     assert a.take() == 100
     with pytest.raises(ValueError, match="empty uid range"):
         a.use_range(5, 5)
+
+
+def test_sandbox_processes_start_inside_their_cgroup():
+    """Cgroup.command joins the process to every controller before it runs anything (no preexec_fn)."""
+    cgroup = Cgroup.create(256 * 1024 * 1024, 16)
+    if cgroup is None:
+        pytest.skip("cgroups are not writable here")
+    try:
+        out = subprocess.run(cgroup.command(["cat", "/proc/self/cgroup"]), capture_output=True, text=True,
+                             timeout=10).stdout
+    finally:
+        cgroup.remove()
+    joined = [line for line in out.splitlines() if line.endswith("/" + cgroup.dirs[0].name)]
+    assert len(joined) == len(cgroup.dirs), out  # memory and pids (cgroup v1), or the one v2 group

@@ -42,10 +42,9 @@ class ForkServerProcess:
         slots = concurrency + 2
         self.cgroup = Cgroup.create(cfg.memory_mb * 1024 * 1024 * min(slots, 8), cfg.max_processes * slots + 8)
         try:
-            self.proc = subprocess.Popen(
-                argv, env=env, cwd=cwd, pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=self.cgroup.add_self if self.cgroup else None,
+            self.proc = subprocess.Popen(  # no preexec_fn: Python vforks (Cgroup.command says why)
+                self.cgroup.command(argv) if self.cgroup else argv, env=env, cwd=cwd, pass_fds=[child_sock.fileno()],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             )
         except BaseException:
             parent_sock.close()
