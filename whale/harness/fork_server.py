@@ -34,7 +34,7 @@ class ForkServerProcess:
 
     def __init__(self, cfg: SandboxConfig, concurrency: int):
         self.mode = resolve_mode(cfg.mode)
-        self.key = _launch_key(cfg, concurrency)
+        self.key = (self.mode, cfg.model_dump_json(), concurrency)
         # bubblewrap's --die-with-parent ends the sandbox with the THREAD that launched it
         self.thread = threading.get_ident()
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -148,7 +148,6 @@ class SandboxHost:
         self.concurrency = concurrency
         self.spare = spare
         self.process: ForkServerProcess | None = None
-        self.proc: subprocess.Popen | None = None
         self.exits: dict[str, asyncio.Future] = {}
         self.spawned: dict[str, asyncio.Future] = {}
         self.init_error: str | None = None
@@ -161,7 +160,6 @@ class SandboxHost:
         loop = asyncio.get_running_loop()
         self.process = (self.spare.take(self.cfg, self.concurrency) if self.spare is not None
                         else ForkServerProcess(self.cfg, self.concurrency))
-        self.proc = self.process.proc
         self.sock = self.process.sock
         self.sock.setblocking(False)
         self._ready = loop.create_future()
@@ -216,9 +214,9 @@ class SandboxHost:
                         fut.set_result(msg["status"])
         # fork server gone: fail everything still waiting
         stderr = ""
-        if self.proc and self.proc.stderr:
+        if self.process.proc.stderr:
             try:
-                stderr = self.proc.stderr.read(2000).decode(errors="replace")
+                stderr = self.process.proc.stderr.read(2000).decode(errors="replace")
             except Exception:
                 pass
         reason = f"sandbox exited: {stderr.strip()[-500:]}" if stderr.strip() else "sandbox exited"
