@@ -88,6 +88,12 @@ def narrow_packs():
     return setting(packed, "WIDE_MAX_ROWS", packed.MAX_ROWS)
 
 
+def matmul_decode():
+    """Decode attention as two matmuls over the slab's whole contiguous block (before sdpa's kernel
+    over the live columns, engine/attention.py)."""
+    return setting(attention, "SDPA_DECODE", False)
+
+
 def flash_prefill():
     """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
     return setting(attention, "MATH_PREFILL", False)

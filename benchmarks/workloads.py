@@ -13,6 +13,8 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           wider forwards on the plain GEMM, as before the checked wide widths
   flash   the raw replay with bfloat16 prefill attention in torch's sdpa kernel, as before
           engine/attention.py's math path
+  matmul  the raw replay with decode attention as two matmuls over the slab's whole block, as
+          before sdpa's kernel over the live columns (engine/attention.py)
   repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
           each KV head per query head it serves, as before engine/attention.py's grouped prefill
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
@@ -59,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_settings import (cold_fork_server, fresh_slab, flash_prefill, narrow_packs, on_threads,  # noqa: E402
+from engine_settings import (cold_fork_server, fresh_slab, flash_prefill, matmul_decode, narrow_packs, on_threads,  # noqa: E402
                              repeated_kv, switch_interval, unmixed, unpacked)
 from legacy import legacy_engine, legacy_runner  # noqa: E402
 from machine import machine_limits  # noqa: E402
@@ -103,8 +105,8 @@ def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Worklo
 
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch", "cold")
-NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"},
+VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "matmul", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch", "cold")
+NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"}, "matmul": {"runner", "raw"},
          "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"}, "cold": {"runner"},
          "waves": {"runner"},
@@ -219,6 +221,8 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         row.update(against_raw("wide_over_narrow_packs", narrow_packs()))
     if "flash" in variants:
         row.update(against_raw("math_over_flash_prefill", flash_prefill()))
+    if "matmul" in variants:
+        row.update(against_raw("sdpa_over_matmul_decode", matmul_decode()))
     if "repeatkv" in variants:
         row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
     if "fresh" in variants:
@@ -277,6 +281,7 @@ def engine_time(name: str, wall: float, stats: dict) -> dict:
 
 AGAINST_RAW = (("packed_over_unpacked", "raw packed/unpacked GEMMs"), ("wide_over_narrow_packs", "raw wide/narrow packs"),
                ("math_over_flash_prefill", "raw math/flash prefill attention"),
+               ("sdpa_over_matmul_decode", "raw sdpa/matmul decode attention"),
                ("grouped_over_repeated_kv", "raw grouped/repeated-KV prefill attention"),
                ("kept_over_fresh_slab", "kept/fresh slab"))  # the raw replay under a setting: key, label
 
@@ -340,6 +345,7 @@ RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_ove
           "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
           "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
           "wide_over_narrow_packs_cpu", "math_over_flash_prefill", "math_over_flash_prefill_cpu",
+          "sdpa_over_matmul_decode", "sdpa_over_matmul_decode_cpu",
           "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner", "runner_over_cold")
 
 
@@ -377,6 +383,7 @@ def summary_line(r: dict) -> str:
              ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
              ratio("wide_over_narrow_packs", "wide/narrow bf16 packs"),
              ratio("math_over_flash_prefill", "math/flash bf16 prefill attention"),
+             ratio("sdpa_over_matmul_decode", "sdpa/matmul decode attention"),
              ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
              ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
              ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),

@@ -339,10 +339,15 @@ def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
         eng.close()
 
 
-def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
-    """The engine's own decode attention (CPU) gives the logits transformers' sdpa gives."""
+@pytest.mark.parametrize("sdpa_decode", [True, False])
+def test_slab_decode_attention_matches_sdpa(engine, monkeypatch, sdpa_decode):
+    """The engine's own decode attention (CPU) gives the logits transformers' sdpa gives: sdpa's
+    kernel over the live columns only, or the two matmuls over the whole slab block."""
+    from whale.engine import attention
     from whale.engine.attention import decode_attention
     from whale.engine.kv import KVSlab
+
+    monkeypatch.setattr(attention, "SDPA_DECODE", sdpa_decode)
 
     model = engine.model
     slab = KVSlab(model.config.num_hidden_layers, engine.device)
@@ -352,7 +357,7 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
     with torch.no_grad():
         cols = torch.arange(width).expand(rows, width)
         causal = (torch.arange(width) <= torch.arange(width).unsqueeze(-1)).expand(rows, 1, width, width)
-        slab.reserve(rows, width + 1)
+        slab.reserve(rows, 2 * width)  # columns no live row uses yet
         model(input_ids=ids, attention_mask=causal, position_ids=cols, cache=slab.view(
             0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width), use_cache=True)
         step = ids[torch.arange(rows), lens].unsqueeze(-1)
@@ -360,9 +365,10 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch):
         for on in (True, False):
             with decode_attention(model, enabled=on) as used:
                 assert used == on
-                w = slab.cols if on else width
+                w = attention.decode_columns(lens, slab.cols) if on else width
+                assert w == (int(lens.max()) + 1 if sdpa_decode or not on else slab.cols)
                 allowed = (torch.arange(w) <= lens.unsqueeze(-1)).view(rows, 1, 1, w)
-                mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")) if on else allowed
+                mask = attention.decode_mask(lens, w) if on else allowed
                 view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1), lens.unsqueeze(-1), w)
                 out[on] = model(input_ids=step, attention_mask=mask, position_ids=lens.unsqueeze(-1), cache=view,
                                 use_cache=True).logits
@@ -450,7 +456,7 @@ def test_prefill_attention_switch_keeps_the_logits(engine):
     with torch.no_grad():
         for on in (True, False):
             slab = KVSlab(model.config.num_hidden_layers, engine.device)
-            slab.reserve(rows, width + 1)
+            slab.reserve(rows, 2 * width)  # columns no live row uses yet
             view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width)
             with prefill_attention(model, enabled=on) as used:
                 assert used == on
@@ -490,3 +496,41 @@ def test_mixed_forward_samples_what_separate_forwards_sample(tiny_model_dir):
         finally:
             eng.close()
     assert got[True] == got[False]
+
+
+def _join(tiny_model_dir, newcomers: list[list[dict]]) -> tuple[dict, list, HFEngine]:
+    """`newcomers` submitted together while one row decodes: (stats of their join, their samples, engine)."""
+    system = LONG[:1]
+    eng = make(tiny_model_dir, prefix_cache_bytes=0)
+    live = eng.submit(GenerationRequest(system + [{"role": "user", "content": "Tell me about Kenya."}], seed=1,
+                                        max_tokens=120), SamplingParams(temperature=1.0, top_k=0, max_tokens=120))
+    wait_for(lambda: eng.stats["decode_steps"] > 2)
+    before = dict(eng.stats)
+    got = eng.generate([GenerationRequest(m, seed=7 + i) for i, m in enumerate(newcomers)], SAMPLE)
+    assert not live.done(), "the live row must still decode when the newcomers join"
+    live.result()
+    return {k: eng.stats[k] - before[k] for k in ("prefill_forwards", "mixed_forwards")}, got, eng
+
+
+def test_a_join_of_unequal_prompts_is_one_mixed_forward(tiny_model_dir, plain):
+    """Two newcomers whose lengths differ by more than a forward's fixed cost would be two prefill
+    forwards if padded; riding the step's decode (packed GEMMs, only the attention padded) they are
+    ONE mixed forward, and draw the tokens they draw alone."""
+    newcomers = [[{"role": "user", "content": "one two three four five six seven eight nine ten " * 4}],
+                 [{"role": "user", "content": "ten nine eight seven six five four three two one " * 3}]]
+    counts, got, eng = _join(tiny_model_dir, newcomers)
+    longer, shorter = (len(eng._prompt_ids(m)) for m in newcomers)
+    eng.close()
+    assert scheduler.FORWARD_TOKENS < longer - shorter < 2 * scheduler.FORWARD_TOKENS  # split if padded
+    assert counts == {"prefill_forwards": 1, "mixed_forwards": 1}
+    assert [g[0].completion_ids for g in got] == [ids(plain, messages=m, seed=7 + i)[0] for i, m in enumerate(newcomers)]
+
+
+def test_prompts_alike_by_a_few_tokens_do_not_wait_a_round(tiny_model_dir, plain):
+    """Two prompts sharing a long prefix with a live row and only a few more tokens with each other
+    are computed together: waiting a round to share those few would cost a forward."""
+    newcomers = [LONG[:1] + [{"role": "user", "content": f"What is the capital of {c}?"}] for c in ("Peru", "Chad")]
+    counts, got, eng = _join(tiny_model_dir, newcomers)
+    eng.close()
+    assert counts == {"prefill_forwards": 1, "mixed_forwards": 1}
+    assert [g[0].completion_ids for g in got] == [ids(plain, messages=m, seed=7 + i)[0] for i, m in enumerate(newcomers)]

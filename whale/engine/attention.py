@@ -1,20 +1,27 @@
-"""The engine's attention on the KV slab (CPU): decode, one query token per row against all of its
-row's columns; prefill, sdpa with the kernel's own grouped-query attention.
+"""The engine's attention on the KV slab (CPU): decode, one query token per row against its row's
+columns; prefill, sdpa with the kernel's own grouped-query attention.
 
-Why not sdpa here: for a single query token (a few query heads per KV head), torch's CPU
-flash-attention kernel fed the slab's strided [rows, heads, :width] view ran about twice as slow as
-two plain matmuls over the contiguous [rows, heads, all columns] block, stale columns included and
-masked (benchmarks/kv_cache_decode.py). The scheduler selects this function for its own decode
-forwards only, on CPU, by switching the model's attention implementation for the duration of the
-forward (the engine thread owns the model then); training keeps transformers' sdpa.
+Decode (`slab_decode_attention`): torch's sdpa kernel, called directly with `enable_gqa`, over the
+columns the live rows use (`decode_columns`: the longest row's; a strided view of the slab, no
+copy), under a boolean mask. Until session 30 it was two plain matmuls over the slab's whole
+contiguous [rows, heads, all columns] block, stale columns and the slab's growth headroom included
+(about half of what they read on search QA): on the machine of 2026-12-01 they beat transformers'
+sdpa path on the strided view by a quarter to a third per step. On the 2-core AMX Xeon of session
+30 (torch 2.13) the direct sdpa call beat them at every decode shape measured: 1.3-3.8x per layer
+in bfloat16, 1.06-1.9x in float32 (1 to 64 rows, slabs of 240-960 columns), and a search-QA replay
+in float32, same ids, 1.06x [1.04, 1.09] (docs/throughput.md). `SDPA_DECODE = False` restores the
+matmuls (benchmarks/workloads.py's `matmul` variant compares them). The scheduler selects this
+function for its own decode forwards only, on CPU, by switching the model's attention implementation
+for the duration of the forward (the engine thread owns the model then); training keeps
+transformers' sdpa.
 
 Prefill (`slab_prefill_attention`): transformers' sdpa wrapper hands torch's kernel grouped-query
 attention itself only where no mask is given; with the engine's 4D masks it repeats every KV head
 for each query head it serves (`repeat_kv`: a copy of the layer's keys and values read from the
 slab, ~0.3 s of a 9 s search-QA replay here). Torch's CPU kernels take the groups as they are
 (`enable_gqa`), with the same bits (tests/test_engine_batching.py) and 10-55% less time per call.
-In bfloat16 it goes further and computes prefill attention as the decode attention does, two
-batched matmuls around an fp32 softmax, the query heads of a group stacked as rows of one GEMM:
+In bfloat16 it goes further and computes prefill attention as the decode attention did before, two
+batched matmuls around an fp32 softmax (`_grouped_attention`), the query heads of a group stacked as rows of one GEMM:
 on a 2-core AMD EPYC (Zen 4, AVX512-BF16) torch's CPU flash kernel reached 44-66 GFLOP/s at the
 engine's prefill shapes and this 1.34-1.76x that (benchmarks/prefill_attention.py). Its bits are
 not sdpa's (another summation order), so bf16 samples change against the flash kernel, as batch
@@ -36,15 +43,23 @@ NAME = "whale_slab_decode"
 PREFILL_NAME = "whale_slab_prefill"
 GROUPED_PREFILL = True  # False: slab_prefill_attention is transformers' sdpa wrapper (benchmarks compare)
 MATH_PREFILL = True  # bfloat16 prefill attention as matmul-softmax-matmul (False: sdpa's kernel; benchmarks compare)
+SDPA_DECODE = True  # decode attention: sdpa's kernel over the live columns (False: two matmuls over the slab block; benchmarks compare)
 MATH_PREFILL_MAX_SCORES = 1 << 25  # fp32 scores per call (128 MiB) past which the math path leaves it to sdpa
 
 
 def slab_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [rows, q_heads, 1, dim]; key/value [rows, kv_heads, cols, dim]; additive fp32 mask
-    [rows, 1, 1, cols]. Returns [rows, 1, q_heads, dim] like transformers' attention functions."""
+    """query [rows, q_heads, 1, dim]; key/value [rows, kv_heads, cols, dim]; the mask from
+    `decode_mask`: boolean [rows, 1, 1, cols] for sdpa's kernel over the live columns (a strided
+    view of the slab; the kernel reads the query heads' KV head itself), or additive fp32 for the
+    two matmuls over the whole slab block. Returns [rows, 1, q_heads, dim] like transformers'
+    attention functions."""
     if query.shape[2] != 1 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if attention_mask.dtype == torch.bool:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2), None
     rows, q_heads, _, dim = query.shape
     return _grouped_attention(query, key, value, attention_mask, scaling).reshape(rows, 1, q_heads, dim), None
 
@@ -139,16 +154,24 @@ def decode_allowed(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
     return (torch.arange(cols) <= kv_len.unsqueeze(-1)).view(kv_len.shape[0], 1, 1, cols)
 
 
-def slab_decode_mask(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
-    """`decode_allowed` as the additive fp32 mask `slab_decode_attention` adds to its scores."""
+def decode_columns(kv_len: torch.Tensor, slab_cols: int) -> int:
+    """Slab columns a decode step's attention reads: the live rows' (sdpa's kernel, `SDPA_DECODE`)
+    or every column of the slab (the two matmuls, which want the contiguous block)."""
+    return int(kv_len.max()) + 1 if SDPA_DECODE else slab_cols
+
+
+def decode_mask(kv_len: torch.Tensor, cols: int) -> torch.Tensor:
+    """The mask `slab_decode_attention` takes over `cols` columns: `decode_allowed` itself for
+    sdpa's kernel, or as the additive fp32 mask the matmuls add to their scores."""
     allowed = decode_allowed(kv_len, cols)
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    return allowed if SDPA_DECODE else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
 
 
 def slab_decode_pays(slab_cols: int, width: int) -> bool:
-    """Whether reading all `slab_cols` columns (contiguous) beats sdpa over the `width` columns the
-    live rows use: yes unless most of the columns are beyond every live row."""
-    return slab_cols <= 2 * width
+    """Whether `slab_decode_attention` serves a decode step whose live rows use `width` of the slab's
+    `slab_cols` columns: always with sdpa over the live columns; the matmuls read every column,
+    which loses to transformers' sdpa over `width` where most are beyond every live row."""
+    return SDPA_DECODE or slab_cols <= 2 * width
 
 
 @contextmanager

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whale.engine.attention import (decode_allowed, decode_attention, prefill_attention, slab_decode_mask,
-                                    slab_decode_pays)
+from whale.engine.attention import (decode_allowed, decode_attention, decode_columns, decode_mask,
+                                    prefill_attention, slab_decode_pays)
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
 from whale.engine.mixed import mixed_forward, mixed_inputs
@@ -127,10 +127,10 @@ class Forwards:
         self._count_decode(rows)
         cols = kv.unsqueeze(-1).to(dev)
         t0 = time.perf_counter()
-        # slab attention reads every column of the live rows (contiguous) under an additive mask
         with decode_attention(self.engine.model, enabled=self.slab_decode(width)) as slab:
-            if slab:
-                width, mask = self.slab.cols, slab_decode_mask(kv, self.slab.cols).to(dev)
+            if slab:  # engine/attention.py: which columns it reads, under which mask
+                width = decode_columns(kv, self.slab.cols)
+                mask = decode_mask(kv, width).to(dev)
             else:
                 mask = self._mask(decode_allowed(kv, width).to(dev))
             view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from whale.engine.attention import slab_decode_attention, slab_decode_mask, slab_prefill_attention
+from whale.engine.attention import decode_columns, decode_mask, slab_decode_attention, slab_prefill_attention
 from whale.engine.jobs import Seq
 
 NAME = "whale_mixed"
@@ -38,8 +38,8 @@ class MixedPlan:
     """Where each token of a packed forward sits and what it attends to."""
 
     n_decode: int  # the first n_decode tokens: one per live row 0..n_decode-1
-    decode_cols: int  # slab columns the decode tokens' attention reads
-    decode_mask: torch.Tensor  # additive fp32 [n_decode, 1, 1, decode_cols]
+    decode_cols: int  # slab columns the decode tokens' attention reads (attention.decode_columns)
+    decode_mask: torch.Tensor  # [n_decode, 1, 1, decode_cols], as attention.decode_mask makes it
     first_row: int  # the newcomers' slab rows are first_row, first_row + 1, ...
     gather: torch.Tensor  # [newcomers, width]: packed index of each (newcomer, query slot); pads repeat one
     valid: torch.Tensor  # [newcomers, width] bool: slot holds a real query
@@ -47,12 +47,12 @@ class MixedPlan:
     prefill_mask: torch.Tensor  # bool [newcomers, 1, width, prefill_cols]
 
 
-def mixed_inputs(decode: list[Seq], newcomers: list[Seq], decode_cols: int, device: torch.device):
+def mixed_inputs(decode: list[Seq], newcomers: list[Seq], slab_cols: int, device: torch.device):
     """(ids, positions, write rows, write cols, each [1, T]; logits to keep [K]; plan) for one packed
     forward: the decode rows' next tokens (rows 0..n-1 in order), then each newcomer's prompt from
     its `start` on (consecutive rows). Kept logits: the decode rows', then each newcomer's last.
-    The decode tokens attend over `decode_cols` slab columns (all of them: a contiguous block, as in
-    a plain decode step), masked beyond each row's own."""
+    The decode tokens attend over the slab columns a plain decode step reads (of `slab_cols`),
+    masked beyond each row's own."""
     n = len(decode)
     assert all(s.row == i for i, s in enumerate(decode)), "decode rows must be the slab's first rows"
     first_row = newcomers[0].row
@@ -84,7 +84,8 @@ def mixed_inputs(decode: list[Seq], newcomers: list[Seq], decode_cols: int, devi
         mask[j, 0, :pad, 0] = True  # a query that sees nothing would give NaN
         keep.append(at + length - 1)
         at += length
-    plan = MixedPlan(n, decode_cols, slab_decode_mask(kv, decode_cols).to(device), first_row, gather.to(device), valid.to(device),
+    decode_cols = decode_columns(kv, slab_cols)
+    plan = MixedPlan(n, decode_cols, decode_mask(kv, decode_cols).to(device), first_row, gather.to(device), valid.to(device),
                      prefill_cols, mask.to(device))
     as_batch = [t.unsqueeze(0).to(device) for t in (ids, pos, rows, pos)]
     return (*as_batch, torch.tensor(keep, device=device), plan)

@@ -14,12 +14,15 @@ static batch to drain.
 Prefix sharing. A sequence's prompt is compared with every live row and every prefix-cache entry
 (finished sequences: prompt + completion, so an episode's next call, which extends the previous
 prompt and completion, finds them). The longest shared prefix, up to all but the last prompt token
-(whose logits are needed), is copied instead of computed. When a sequence shares more with another
-one admitted in the same wave than with anything stored (the k samples of one problem, `n > 1`),
-it waits one prefill round and copies from that row; a sequence left with only its last prompt
-token to feed is a decode row already and joins the next decode step without a forward of its own.
-Prefill forwards group sequences of similar length (a small DP over padding plus a per-forward
-cost), so one long prompt does not pad thirty short ones. Any weight change clears the prefix cache:
+(whose logits are needed), is copied instead of computed. When a sequence shares at least
+`MIN_SHARED` tokens more with another one admitted in the same wave than with anything stored
+(the k samples of one problem, `n > 1`), it waits one prefill round and copies from that row (not
+for a few tokens: two questions that begin alike are computed together); a sequence left with
+only its last prompt token to feed is a decode row already and joins the next decode step without
+a forward of its own. Prefill forwards group sequences of similar length (a small DP over padding
+plus a per-forward cost), so one long prompt does not pad thirty short ones; the forward that also
+runs the step's decode (mixed, below) costs nothing of its own and pads only its attention, which
+the plan counts. Any weight change clears the prefix cache:
 `paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
 checked before each prefill, catches an in-place optimizer step nobody announced.
 
@@ -32,9 +35,8 @@ many requests in the same forward. Requests with the same prompt and choices are
 The forwards themselves (inputs over the slab, the model call, sampling, the stats) are
 engine/forwards.py: this module decides what runs, that one runs it.
 
-Decode attention (CPU): whale/engine/attention.py, two matmuls over the live rows' contiguous slab
-block, which beat sdpa's flash kernel on the strided view by a quarter to a third per step at 24-32
-rows; sdpa still serves prefill, GPUs and a slab that is mostly empty columns.
+Decode attention (CPU): whale/engine/attention.py, torch's sdpa kernel called with grouped-query
+heads over the columns the live rows use (a view of the slab, no copy).
 
 Why samples stay exact: a sequence draws one uniform per step from its own generator seeded with
 its request's seed (`seed + i` for sample i), consumed in step order whatever the batch; the token
@@ -328,8 +330,10 @@ class Scheduler:
             for item in pending:
                 source = self._best_source(item, done)
                 wave = max((common_prefix(item.prompt_np, o.prompt_np) for o, _ in this_round), default=0)
-                if min(wave, len(item.prompt) - 1) >= MIN_SHARED and wave > source[2]:
-                    later.append(item)  # copy it from that row next round instead of computing it twice
+                if min(wave, len(item.prompt) - 1) - source[2] >= MIN_SHARED:
+                    # copy it from that row next round instead of computing it twice; waiting a round
+                    # for a few more shared tokens (two questions that begin alike) would cost a forward
+                    later.append(item)
                 else:
                     this_round.append((item, source))
             this_round.sort(key=lambda x: -suffix_len(x[0], x[1][2]))
@@ -338,7 +342,8 @@ class Scheduler:
             ready, rest = [], []
             for x in this_round:
                 (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
-            chunks = ([ready] if ready else []) + self._chunks(rest)
+            mixing = mix and not later and bool(rest)  # the last forward rides the step's decode
+            chunks = ([ready] if ready else []) + self._chunks(rest, mixing)
             for i, chunk in enumerate(chunks):
                 for item, source in chunk:
                     item.row, row = row, row + 1
@@ -357,7 +362,7 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
-                elif mix and not later and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
+                elif mixing and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
                     self.forwards.mixed(self.rows + done, [item for item, _ in chunk])  # done: rows in order
                     decoded = True
                 else:
@@ -366,11 +371,12 @@ class Scheduler:
             pending = later
         return decoded
 
-    def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
-        """Split `items` (sorted longest first) into forwards within the token and logits budgets."""
+    def _chunks(self, items: list[tuple[Any, tuple]], last_mixed: bool = False) -> list[list[tuple[Any, tuple]]]:
+        """Split `items` (sorted longest first) into forwards within the token and logits budgets;
+        `last_mixed`: the last one is a mixed forward (engine/prefill.py `plan_chunks`)."""
         spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
                             [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
-                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
+                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS, last_mixed)
         return [items[i:j] for i, j in spans]
 
     # ------------------------------------------------------------------ choices
