@@ -128,7 +128,7 @@ def run_workload(name, args, limits) -> dict:
     n_eps = args.problems * args.k
     variants = chosen_variants(args.variants)
     cfg, domain, problems, harness, sampling, engine = load_workload(
-        name, args.problems, [f"runner.concurrency={min(args.concurrency, n_eps)}"])
+        name, args.problems, [*args.overrides, f"runner.concurrency={min(args.concurrency, n_eps)}"])
     cfg_lockstep = cfg.model_copy(deep=True)
     cfg_lockstep.runner.lockstep = "all"
     old = (legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
@@ -415,6 +415,8 @@ def main() -> None:
                          "larger KV slab pays its new storage, a one-off cost, and its ratios lean)")
     ap.add_argument("--switch-interval", type=float, default=0.0002,
                     help="the `switch` variant's GIL switch interval in seconds (Python's default: 0.005)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every workload, e.g. model.dtype=float32 (repeatable)")
     ap.add_argument("--variants", default="all",
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (with what each is compared with), "
                          "e.g. raw,legacy for more repeats of the engine ratio in the same time")
