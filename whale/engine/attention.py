@@ -8,8 +8,9 @@ contiguous [rows, heads, all columns] block, stale columns and the slab's growth
 (about half of what they read on search QA): on the machine of 2026-12-01 they beat transformers'
 sdpa path on the strided view by a quarter to a third per step. On the 2-core AMX Xeon of session
 30 (torch 2.13) the direct sdpa call beat them at every decode shape measured: 1.3-3.8x per layer
-in bfloat16, 1.06-1.9x in float32 (1 to 64 rows, slabs of 240-960 columns), and a search-QA replay
-in float32, same ids, 1.06x [1.04, 1.09] (docs/throughput.md). `SDPA_DECODE = False` restores the
+in bfloat16, 1.06-1.9x in float32 (1 to 64 rows, slabs of 240-960 columns); search-QA replays
+1.04x [1.03, 1.06] faster in float32 (same ids) and math's 1.11x [1.07, 1.15] in bfloat16
+(docs/throughput.md). `SDPA_DECODE = False` restores the
 matmuls (benchmarks/workloads.py's `matmul` variant compares them). The scheduler selects this
 function for its own decode forwards only, on CPU, by switching the model's attention implementation
 for the duration of the forward (the engine thread owns the model then); training keeps
@@ -20,9 +21,9 @@ attention itself only where no mask is given; with the engine's 4D masks it repe
 for each query head it serves (`repeat_kv`: a copy of the layer's keys and values read from the
 slab, ~0.3 s of a 9 s search-QA replay here). Torch's CPU kernels take the groups as they are
 (`enable_gqa`), with the same bits (tests/test_engine_batching.py) and 10-55% less time per call.
-In bfloat16 it goes further and computes prefill attention as the decode attention did before, two
-batched matmuls around an fp32 softmax (`_grouped_attention`), the query heads of a group stacked as rows of one GEMM:
-on a 2-core AMD EPYC (Zen 4, AVX512-BF16) torch's CPU flash kernel reached 44-66 GFLOP/s at the
+In bfloat16 it goes further and computes prefill attention as the decode attention did before,
+two batched matmuls around an fp32 softmax (`_grouped_attention`), the query heads of a group
+stacked as rows of one GEMM: on a 2-core AMD EPYC (Zen 4, AVX512-BF16) torch's CPU flash kernel reached 44-66 GFLOP/s at the
 engine's prefill shapes and this 1.34-1.76x that (benchmarks/prefill_attention.py). Its bits are
 not sdpa's (another summation order), so bf16 samples change against the flash kernel, as batch
 shapes already change them in bf16; float32 keeps sdpa and its bits.

@@ -342,7 +342,8 @@ class Scheduler:
             ready, rest = [], []
             for x in this_round:
                 (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
-            mixing = mix and not later and bool(rest)  # the last forward rides the step's decode
+            # the last forward will ride the step's decode if there are rows to decode by then
+            mixing = mix and not later and bool(rest) and bool(self.rows or done or ready)
             chunks = ([ready] if ready else []) + self._chunks(rest, mixing)
             for i, chunk in enumerate(chunks):
                 for item, source in chunk:
@@ -362,7 +363,7 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
-                elif mixing and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
+                elif mix and not later and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
                     self.forwards.mixed(self.rows + done, [item for item, _ in chunk])  # done: rows in order
                     decoded = True
                 else:
