@@ -34,7 +34,7 @@ class ForkServerProcess:
 
     def __init__(self, cfg: SandboxConfig, concurrency: int):
         self.mode = resolve_mode(cfg.mode)
-        self.key = (self.mode, cfg.model_dump_json(), concurrency)
+        self.key = _launch_key(self.mode, cfg, concurrency)
         # bubblewrap's --die-with-parent ends the sandbox with the THREAD that launched it
         self.thread = threading.get_ident()
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -59,8 +59,8 @@ class ForkServerProcess:
         """Whether a run with these settings, in this thread, can adopt this process: same sandbox
         settings and slots, still running, and launched by this thread (so it lives as long as the
         run's thread does)."""
-        return (self.key == _launch_key(cfg, concurrency) and self.thread == threading.get_ident()
-                and self.proc.poll() is None)
+        return (self.key == _launch_key(resolve_mode(cfg.mode), cfg, concurrency)
+                and self.thread == threading.get_ident() and self.proc.poll() is None)
 
     def kill(self) -> None:
         """Kill the process group (the sandbox and every episode in it), reap it, drop its cgroup."""
@@ -88,8 +88,9 @@ class ForkServerProcess:
             self.cgroup = None
 
 
-def _launch_key(cfg: SandboxConfig, concurrency: int) -> tuple:
-    return resolve_mode(cfg.mode), cfg.model_dump_json(), concurrency
+def _launch_key(mode: str, cfg: SandboxConfig, concurrency: int) -> tuple:
+    """What a fork server was launched for: the resolved sandbox mode, the settings, the slots."""
+    return mode, cfg.model_dump_json(), concurrency
 
 
 class SpareForkServer:
