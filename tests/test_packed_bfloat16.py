@@ -67,8 +67,9 @@ def test_wider_forwards_use_the_pack_only_at_widths_checked_to_give_the_plain_bi
             x = torch.randn(1, rows, 576, generator=gen).to(torch.bfloat16)
             assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight)), rows
     assert packs.wide_widths == (1, 1)  # `wide` checked and packed, `wider` checked and kept plain
-    # the pack's own check (decode widths), one check at each wide width, then `wide` served packed twice
-    assert calls == list(packed.BITS_CHECK_ROWS) + [wide, wide, wide, wider]
+    # the pack's own check (decode widths); each wide width's first forward is its check (the plain
+    # product served), then `wide` is served packed and `wider` plain
+    assert calls == list(packed.BITS_CHECK_ROWS) + [wide, wide, wider]
 
 
 def test_packed_forwards_equal_plain_ones_and_repack_after_a_change():

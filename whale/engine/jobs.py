@@ -134,7 +134,9 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParam
     """Next token per row by inverse-CDF sampling with the row's uniform `u` (greedy at T=0)."""
     if sampling.temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
+    logits = logits.float()
+    if sampling.temperature != 1.0:  # x / 1.0 is x: skip a pass over [rows, vocab]
+        logits = logits / sampling.temperature
     order = None
     if 0 < sampling.top_k < logits.shape[-1]:
         logits, order = logits.topk(sampling.top_k, dim=-1)  # sorted, largest first

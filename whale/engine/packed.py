@@ -19,7 +19,7 @@ forwards (prefill, mixed forwards) keep the plain path in float32 (two runs disa
 there). In bfloat16 they use the pack up to `WIDE_MAX_ROWS` rows where it gives the plain bits at
 that very width: on two threads oneDNN's packed and plain products differ at some widths from 96
 rows up (on one thread, the engine's default on 2 cores, at none scanned), so each (weight shape,
-thread count, width) is checked at its first use and the verdict remembered.
+thread count, width) is checked at its first use, on that forward's input, and the verdict remembered.
 
 Numerics. bfloat16: the packed product has the plain product's bits, so nothing sampled changes;
 this is checked, not assumed: each weight, when packed, is multiplied both ways at several row
@@ -234,16 +234,6 @@ class PackedLinears:
         verdicts = list(self._wide.values())
         return sum(verdicts), len(verdicts) - sum(verdicts)
 
-    def _wide_ok(self, weight: torch.Tensor, pack: torch.Tensor, rows: int) -> bool:
-        """Whether the pack may serve `rows` rows (> MAX_ROWS): checked once per weight shape, thread
-        count and width. The bits differ only where oneDNN takes another kernel for the plain product
-        than for the packed one, which depends on those three, not on the values."""
-        key = (tuple(weight.shape), torch.get_num_threads(), rows)
-        verdict = self._wide.get(key)
-        if verdict is None:
-            verdict = self._wide[key] = _same_bits_at(weight, pack, self._kind.matmul, rows)
-        return verdict
-
     def forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module(x)`, on the packed weight where it applies, else exactly nn.Linear's forward."""
         weight = module.weight
@@ -253,8 +243,21 @@ class PackedLinears:
                 or rows > (WIDE_MAX_ROWS if self._kind.wide else MAX_ROWS)):
             return torch.nn.functional.linear(x, weight, module.bias)
         pack = self._pack_of(module)
-        if pack is None or (rows > MAX_ROWS and not self._wide_ok(weight, pack, rows)):
+        if pack is None:
             return torch.nn.functional.linear(x, weight, None)
+        if rows > MAX_ROWS:
+            # Checked once per weight shape, thread count and width, at its first use, on that
+            # forward's own input (whose plain product it serves): the bits differ only where oneDNN
+            # takes another kernel for the plain product than for the packed one, which depends on
+            # those three, not on the values. (A seeded random input cost a third GEMM and its draw.)
+            key = (tuple(weight.shape), torch.get_num_threads(), rows)
+            verdict = self._wide.get(key)
+            if verdict is None:
+                plain = torch.nn.functional.linear(x, weight, None)
+                self._wide[key] = torch.equal(self._kind.matmul(x, pack, weight.shape[0]), plain)
+                return plain
+            if not verdict:
+                return torch.nn.functional.linear(x, weight, None)
         return self._kind.matmul(x, pack, weight.shape[0])
 
     @contextmanager
