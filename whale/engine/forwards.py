@@ -147,8 +147,10 @@ class Forwards:
         if training:  # the trainer may have left it in train mode: sample without dropout
             model.eval()
         packed = self.engine.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
+        adapted = self.engine.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
         try:
-            with packed.installed(model) if packed is not None else nullcontext():
+            with (packed.installed(model) if packed is not None else nullcontext(),
+                  adapted.installed(model) if adapted is not None else nullcontext()):
                 out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)
         finally:
             if training:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from whale.engine.adapted import AdaptedLinears
 from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all,
                                weights_kind)
 from whale.engine.default_model import resolve_model_path
@@ -162,6 +163,9 @@ class HFEngine:
         # CPU, float32 or bfloat16: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
         self.packed_linears = (PackedLinears(self.dtype) if packed_gemm and self.device.type == "cpu"
                                and packed_available(self.dtype) else None)
+        # CPU: a LoRA layer's update inside its base layer's GEMM, on joined weights (engine/adapted.py)
+        self.adapted_linears = (AdaptedLinears(self.dtype, self.packed_linears)
+                                if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) else None)
         self._adapter_count = 0  # names of adapters loaded beside another one
         # the fast tokenizer is one Rust object shared by callers' threads and the engine thread
         self._tok_lock = threading.Lock()

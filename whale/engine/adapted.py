@@ -1,0 +1,179 @@
+"""LoRA layers in the hf engine's CPU forwards: the adapter's update inside the base layer's GEMM.
+
+Why: after a run's first weight step every rollout carries the LoRA adapter, and peft's LoRA
+Linear runs, per adapted layer, the base GEMM, then a cast of the input to the adapter's float32,
+two rank-r GEMMs, a scale, an add over the whole [rows, out] output in float32 and a cast back.
+Per decoder layer of SmolLM2-135M (its seven Linears, r = 16, bf16, one thread, the 2-core AMX
+Xeon; benchmarks/lora_layers.py) that cost 2.5x the base layer's GEMMs at 1 row, 3.6x at 64 rows,
+4.9x at 256 and 5.7x at 1,024: most of it the float32 passes over the output, which grow with the
+rows of prefill forwards. Merging the update into the bf16 weights would be free but loses most of
+it (the delta is far below a bf16 ulp of W; docs/design.md, "LoRA layers in generation").
+
+What runs instead, for a layer with one active plain LoRA adapter (no DoRA or other variant, no
+bias, dropout off as in eval):
+
+    a = x A^T                   (A rounded to the base dtype once per adapter version)
+    y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded once likewise)
+
+Both GEMMs go through the engine's packed Linears (engine/packed.py). The update is accumulated
+in float32 next to the base product inside the GEMM and the output is rounded once; peft rounds
+the base product to bf16, adds the float32 update, and rounds again. Against a float64 reference
+this is the more accurate of the two (mean error 0.29-0.31 of an output's typical bf16 ulp, max
+3.2-3.8, against peft's 0.39 and 5.8-7.0, for updates 1.4% and 14% of the output's size;
+benchmarks/lora_layers.py). It is not peft's bits, so adapted samples change by rounding as they
+do between batch shapes in bf16 (docs/design.md); the trainer keeps peft's layers and arithmetic.
+
+The joined weights [W | s B] and their packs are rebuilt when W, A, B or s change (after each
+optimizer step, a loaded adapter): their keys are storages and autograd version counters, as for
+the packs. Memory: about one more copy of the adapted weights and its pack while an adapter is
+active. A layer that does not qualify (its weights off the CPU included), a forward with gradients
+on, or an input of another dtype runs peft's own forward.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from whale.engine.packed import MAX_ROWS, PackedLinears, walk_modules
+from whale.engine.packed import available as packed_available
+
+FUSED_LORA = True  # False: peft's own LoRA forward in generation (benchmarks compare)
+
+
+def lora_linear_type() -> type | None:
+    """peft's LoRA Linear class, or None where peft's LoRA layers were never imported (then no
+    model holds one, and nothing is imported here)."""
+    return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear around `weight` (no copy): what PackedLinears packs and multiplies, per module."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def _plain_adapter(module: Any) -> tuple[nn.Linear, nn.Linear, nn.Linear, float] | None:
+    """(base, A, B, scaling) of a peft LoRA Linear whose forward is exactly base(x) + s B A x in
+    eval, or None where it is anything else (merged, disabled, several adapters, a variant such
+    as DoRA, biases, dropout in training mode, input casting off)."""
+    if module.merged or module.disable_adapters or len(module.active_adapters) != 1:
+        return None
+    name = module.active_adapters[0]
+    if (name not in module.lora_A or name in getattr(module, "lora_variant", {})
+            or getattr(module, "use_dora", {}).get(name)):
+        return None
+    base, down, up = module.get_base_layer(), module.lora_A[name], module.lora_B[name]
+    dropout = module.lora_dropout[name]
+    if (type(base) is not nn.Linear or type(down) is not nn.Linear or type(up) is not nn.Linear
+            or base.bias is not None or down.bias is not None or up.bias is not None
+            or (dropout.training and not isinstance(dropout, nn.Identity))
+            or not getattr(module, "cast_input_dtype_enabled", True)):
+        return None
+    return base, down, up, float(module.scaling[name])
+
+
+def _lora_layers(model: nn.Module, lora_type: type) -> list[nn.Module]:
+    """`model`'s peft LoRA Linears, without walking inside them: their adapters' ModuleDicts are
+    most of a wrapped model's modules (2,497 in SmolLM2-135M under r = 16 on every Linear, ~400
+    outside them), and this walk runs at every forward."""
+    return [m for m in walk_modules(model, enter=lambda m: type(m) is not lora_type) if type(m) is lora_type]
+
+
+class AdaptedLinears:
+    """The joined weights of one model's plain LoRA layers, and the forwards that use them (see
+    the module docstring). `packs` multiplies the joined weights (None: plain `F.linear`); the
+    rank-r product x A^T of decode widths runs in float32 (MKL's packed GEMM where this CPU has it)."""
+
+    def __init__(self, dtype: torch.dtype, packs: PackedLinears | None):
+        self.dtype, self.packs = dtype, packs
+        self.float_packs = PackedLinears(torch.float32) if packs is not None and packed_available(torch.float32) else None
+        self._joined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA module -> _Joined
+        self.builds = 0  # joined weights made (an adapter's first use, and again after each change)
+
+    def _joined_of(self, module: Any) -> _Joined | None:
+        """The module's joined weights, made now if its weights changed; None where it is not a plain
+        LoRA layer on this CPU engine's dtype."""
+        parts = _plain_adapter(module)
+        if parts is None:
+            return None
+        base, down, up, scaling = parts
+        w, a, b = base.weight, down.weight, up.weight
+        if w.dtype != self.dtype or w.device.type != "cpu" or a.device.type != "cpu" or b.device.type != "cpu":
+            return None
+        key = (w.data_ptr(), w._version, a.data_ptr(), a._version, b.data_ptr(), b._version, scaling)
+        entry = self._joined.get(module)
+        if entry is None or entry.key != key:
+            with torch.no_grad():
+                entry = self._joined[module] = _Joined(self, module, key, w.detach(), a.detach(), b.detach(), scaling)
+            self.builds += 1
+        return entry
+
+    def forward(self, entry: "_Joined", x: torch.Tensor) -> torch.Tensor:
+        """[x | x A^T] [W | s B]^T for a forward on this engine's CPU, gradients off, in its dtype."""
+        narrow = x.numel() <= MAX_ROWS * x.shape[-1]  # the packs take it directly
+        if not narrow:  # prefill widths: oneDNN's bf16 GEMM (float32's grows 4x slower by 512 rows)
+            a = self._linear(entry.wide_down, x)
+        elif entry.down_pack is not None:  # decode widths: float32 (oneDNN's bf16 call costs ~18 us even at 1 row)
+            a = self.float_packs.matmul(x.float(), entry.down_pack, entry.rank)
+        else:
+            a = torch.nn.functional.linear(x.float(), entry.down.weight)
+        xa = torch.cat([x, a.to(x.dtype)], dim=-1)
+        if narrow and entry.joined_pack is not None:
+            return self.packs.matmul(xa, entry.joined_pack, entry.out_features)
+        return self._linear(entry.joined, xa)
+
+    def _linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.packs.forward(module, x) if self.packs is not None else torch.nn.functional.linear(x, module.weight)
+
+    @contextmanager
+    def installed(self, model: nn.Module):
+        """Route `model`'s plain LoRA layers through `forward` inside (the engine thread owns the
+        model then); the modules are as before afterwards. A module whose forward is already
+        replaced on the instance is left alone."""
+        lora_type = lora_linear_type() if FUSED_LORA else None
+        bound = []
+        if lora_type is not None:
+            for m in _lora_layers(model, lora_type):
+                if "forward" not in m.__dict__:
+                    entry = self._joined_of(m)
+                    if entry is not None:
+                        m.forward = entry
+                        bound.append(m)
+        try:
+            yield
+        finally:
+            for m in bound:
+                m.__dict__.pop("forward", None)
+
+
+class _Joined:
+    """One LoRA layer's joined weights for its current W, A, B and s (`key`), their packs, and its
+    forward in the engine: `AdaptedLinears.forward`, or peft's own for a call that is not one of
+    the engine's (gradients on, another dtype, extra arguments). Holds the module weakly."""
+
+    __slots__ = ("adapted", "module", "key", "dtype", "down", "wide_down", "joined", "down_pack", "joined_pack",
+                 "rank", "out_features")
+
+    def __init__(self, adapted: AdaptedLinears, module: Any, key: tuple, w: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, scaling: float):
+        self.adapted, self.module, self.key, self.dtype = adapted, weakref.ref(module), key, w.dtype
+        self.down = _frozen_linear(a.to(torch.float32, copy=True))  # decode widths: x -> a in float32
+        self.wide_down = _frozen_linear(a.to(w.dtype, copy=True))  # wider forwards: x -> a in the base dtype
+        self.joined = _frozen_linear(torch.cat([w, (b.float() * scaling).to(w.dtype)], dim=1))  # [W | s B]
+        # packed once here: the weights above never change (new ones make a new _Joined)
+        self.down_pack = adapted.float_packs.pack_of(self.down) if adapted.float_packs is not None else None
+        self.joined_pack = adapted.packs.pack_of(self.joined) if adapted.packs is not None else None
+        self.rank, self.out_features = a.shape[0], w.shape[0]
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or x.dtype != self.dtype or torch.is_grad_enabled():
+            module = self.module()
+            return type(module).forward(module, x, *args, **kwargs)
+        return self.adapted.forward(self, x)
