@@ -132,3 +132,15 @@ def test_the_engine_generates_on_joined_weights_and_rebuilds_after_a_new_adapter
         assert len({tuple(g.completion_ids) for g in (base, first, second)}) == 3
     finally:
         eng.close()
+
+
+def test_the_walks_find_what_modules_finds():
+    model = _adapted_model()
+    shared = torch.nn.Linear(4, 4)
+    model.base_model.model.add_module("again", torch.nn.Sequential(shared, shared))  # one module reached twice
+    everything = list(model.modules())
+    walked = packed.walk_modules(model)
+    assert len(walked) == len(everything) and {id(m) for m in walked} == {id(m) for m in everything}
+    lora_type = adapted.lora_linear_type()
+    assert adapted._lora_layers(model, lora_type) and (
+        {id(m) for m in adapted._lora_layers(model, lora_type)} == {id(m) for m in everything if type(m) is lora_type})

@@ -62,15 +62,20 @@ def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
 def _plain_adapter(module: Any) -> tuple[nn.Linear, nn.Linear, nn.Linear, float] | None:
     """(base, A, B, scaling) of a peft LoRA Linear whose forward is exactly base(x) + s B A x in
     eval, or None where it is anything else (merged, disabled, several adapters, a variant such
-    as DoRA, biases, dropout in training mode, input casting off)."""
-    if module.merged or module.disable_adapters or len(module.active_adapters) != 1:
+    as DoRA, biases, dropout in training mode, input casting off, a tuner layer under it). Called
+    for every LoRA layer at every forward, so it reads each attribute once."""
+    if module.merged or module.disable_adapters:
         return None
-    name = module.active_adapters[0]
-    if (name not in module.lora_A or name in getattr(module, "lora_variant", {})
-            or getattr(module, "use_dora", {}).get(name)):
+    active = module.active_adapters
+    if len(active) != 1:
         return None
-    base, down, up = module.get_base_layer(), module.lora_A[name], module.lora_B[name]
-    dropout = module.lora_dropout[name]
+    name = active[0]
+    modules = module._modules
+    downs, ups = modules["lora_A"], modules["lora_B"]
+    if name not in downs or name in getattr(module, "lora_variant", ()) or getattr(module, "use_dora", {}).get(name):
+        return None
+    base, down, up = modules["base_layer"], downs[name], ups[name]
+    dropout = modules["lora_dropout"][name]
     if (type(base) is not nn.Linear or type(down) is not nn.Linear or type(up) is not nn.Linear
             or base.bias is not None or down.bias is not None or up.bias is not None
             or (dropout.training and not isinstance(dropout, nn.Identity))
@@ -144,7 +149,7 @@ class AdaptedLinears:
                 if "forward" not in m.__dict__:
                     entry = self._joined_of(m)
                     if entry is not None:
-                        m.forward = entry
+                        m.__dict__["forward"] = entry  # an instance attribute, as Module.__setattr__ would store it
                         bound.append(m)
         try:
             yield

@@ -273,7 +273,7 @@ class PackedLinears:
                    if type(m) is torch.nn.Linear and m.weight.numel() >= self.min_weight_numel
                    and "forward" not in m.__dict__]
         for m in linears:
-            m.forward = _Bound(self, m)
+            m.__dict__["forward"] = _Bound(self, m)  # an instance attribute, as Module.__setattr__ would store it
         try:
             yield
         finally:
