@@ -144,3 +144,25 @@ def test_the_walks_find_what_modules_finds():
     lora_type = adapted.lora_linear_type()
     assert adapted._lora_layers(model, lora_type) and (
         {id(m) for m in adapted._lora_layers(model, lora_type)} == {id(m) for m in everything if type(m) is lora_type})
+
+
+@pytest.mark.skipif(packed._mkl() is None or not packed.available(torch.bfloat16),
+                    reason="needs MKL's packed sgemm and oneDNN bf16")
+def test_decode_widths_take_the_float32_pack_for_the_rank_r_product(monkeypatch):
+    """Where MKL's float32 packs pass their probe, the rank-r product of decode widths runs on
+    them (forced here where the probe fails: the call path is the same, only the row-count
+    guarantee differs): the same layer output as the plain float32 product, up to one rounding."""
+    monkeypatch.setattr(adapted, "packed_available", lambda dtype: True)
+    model = _adapted_model()
+    layer = _layers(model)[0]
+    with_pack = AdaptedLinears(torch.bfloat16, PackedLinears(torch.bfloat16))
+    plain = AdaptedLinears(torch.bfloat16, None)
+    x = torch.randn(5, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        with with_pack.installed(model):
+            assert layer.forward.down_pack is not None
+            got = layer(x)
+        with plain.installed(model):
+            want = layer(x)
+    ulp = 2.0 ** -8 * _float64(layer, x).pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((got.double() - want.double()).abs() / ulp).max() < 2

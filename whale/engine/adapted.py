@@ -4,30 +4,35 @@ Why: after a run's first weight step every rollout carries the LoRA adapter, and
 Linear runs, per adapted layer, the base GEMM, then a cast of the input to the adapter's float32,
 two rank-r GEMMs, a scale, an add over the whole [rows, out] output in float32 and a cast back.
 Per decoder layer of SmolLM2-135M (its seven Linears, r = 16, bf16, one thread, the 2-core AMX
-Xeon; benchmarks/lora_layers.py) that cost 2.5x the base layer's GEMMs at 1 row, 3.6x at 64 rows,
-4.9x at 256 and 5.7x at 1,024: most of it the float32 passes over the output, which grow with the
-rows of prefill forwards. Merging the update into the bf16 weights would be free but loses most of
-it (the delta is far below a bf16 ulp of W; docs/design.md, "LoRA layers in generation").
+Xeon; benchmarks/lora_layers.py) that cost 2.1-2.3x the base layer's GEMMs at 1-8 rows, 3.0x at
+64, 3.2x at 256 and 5.5-6.2x at 1,024: most of it the float32 passes over the output, which grow
+with the rows of prefill forwards. Merging the update into the bf16 weights would be free but
+loses most of it (the delta is far below a bf16 ulp of W; docs/design.md, "LoRA layers in
+generation").
 
 What runs instead, for a layer with one active plain LoRA adapter (no DoRA or other variant, no
 bias, dropout off as in eval):
 
-    a = x A^T                   (A rounded to the base dtype once per adapter version)
-    y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded once likewise)
+    a = x A^T                   (float32 at decode widths, then rounded; bf16 at prefill widths)
+    y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded to bf16 once)
 
-Both GEMMs go through the engine's packed Linears (engine/packed.py). The update is accumulated
-in float32 next to the base product inside the GEMM and the output is rounded once; peft rounds
-the base product to bf16, adds the float32 update, and rounds again. Against a float64 reference
-this is the more accurate of the two (mean error 0.29-0.31 of an output's typical bf16 ulp, max
-3.2-3.8, against peft's 0.39 and 5.8-7.0, for updates 1.4% and 14% of the output's size;
-benchmarks/lora_layers.py). It is not peft's bits, so adapted samples change by rounding as they
-do between batch shapes in bf16 (docs/design.md); the trainer keeps peft's layers and arithmetic.
+Both go through the engine's packs where this CPU has them (engine/packed.py). The update is
+accumulated in float32 next to the base product inside the GEMM and the output is rounded once;
+peft rounds the base product to bf16, adds the float32 update, and rounds again. Against a
+float64 reference this is the more accurate of the two (mean error 0.29-0.34 of an output's
+typical bf16 ulp, max 2.1-4.1, against peft's 0.38-0.40 and 3.5-7.1, for updates 3% and 26-28%
+of the output's size). Per layer 1.6-2.0x the base GEMMs: 1.2-1.3x faster than peft's at 1-8 rows,
+1.5x at 64, 1.8-1.9x at 256, 3.6-3.9x at 1,024; search-QA replays with an r = 16 adapter 1.21x
+[1.04, 1.41] faster (benchmarks/lora_generation.py). It is not peft's bits, so adapted samples
+change by rounding as they do between batch shapes in bf16 (docs/design.md); the trainer keeps
+peft's layers and arithmetic.
 
 The joined weights [W | s B] and their packs are rebuilt when W, A, B or s change (after each
 optimizer step, a loaded adapter): their keys are storages and autograd version counters, as for
-the packs. Memory: about one more copy of the adapted weights and its pack while an adapter is
-active. A layer that does not qualify (its weights off the CPU included), a forward with gradients
-on, or an input of another dtype runs peft's own forward.
+the packs (1.0 s for SmolLM2-135M's 210 layers, most of it packing). Memory: about one more copy
+of the adapted weights and its pack while an adapter is active. A layer that does not qualify
+(its weights off the CPU included), a forward with gradients on, or an input of another dtype runs
+peft's own forward.
 """
 
 from __future__ import annotations
