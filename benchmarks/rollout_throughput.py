@@ -5,7 +5,7 @@ tokens come out):
   raw       engine.generate on all requests at once (the engine batches continuously; no sandbox, no RPC)
   runner    RolloutRunner with N concurrent sandboxed episodes of a one-call harness
   serial    RolloutRunner with concurrency 1: one episode at a time
-Targets (DESIGN §9): runner/raw >= 0.8 and runner/serial >= 4. benchmarks/workloads.py measures the
+Targets: runner/raw >= 0.8 and runner/serial >= 4. benchmarks/workloads.py measures the
 domains' own multi-call harnesses the same way.
 
     python benchmarks/rollout_throughput.py [--n 32] [--max-tokens 32] [--model smollm2-135m]

@@ -1,6 +1,6 @@
 """Starting a sandboxed process from a process as large as the engine's, side by side in one process.
 
-before: subprocess.Popen with `preexec_fn` joining the cgroup (what whale did until session 29):
+before: subprocess.Popen with `preexec_fn` joining the cgroup (what whale did until 2026-12-06):
         Python must fork() the whole parent, page tables included
 now:    Popen of `Cgroup.command(argv)` (/bin/sh joins the cgroup, then execs): Python vforks
 Each starts the sandbox worker's one-shot mode on `print(1)` (what math's `env.python` runs) while

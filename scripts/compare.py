@@ -19,10 +19,10 @@ bought per phase, and the rollouts each method needed to reach weight-only's bes
 Records outlive the machine. With `--report DEST`, every finished run's record (config.yaml,
 state.json, metrics.jsonl, ledger.jsonl, environment.json: a few tens of kB, everything `whale
 compare` reads) is copied to DEST/runs/<method>-s<seed>/ for committing as soon as the run ends.
-A later session's rerun of the same command counts a run with a finished record made with the
-same config as done (it is not redone) and compares it with the runs it has locally, so a
-comparison spread over many sessions pools all its seeds; a record of another config is another
-experiment and is redone, and so, with `--code-since COMMIT`, is a record made by code older
+A later rerun of the same command, on this machine or another, counts a run with a finished record
+made with the same config as done (it is not redone) and compares it with the runs it has locally,
+so a comparison spread over many machines and days pools all its seeds; a record of another config
+is another experiment and is redone, and so, with `--code-since COMMIT`, is a record made by code older
 than COMMIT (a fix that changes a method's decisions leaves its config as it was).
 
 The methods differ only in the keys below (schedule.kind and what that kind needs); everything
@@ -160,7 +160,7 @@ def run_one(method: str, seed: int, args) -> bool:
         return True
     record = record_of(run_dir.name, args, quiet=False)
     if record is not None:
-        print(f"[skip] {run_dir.name}: done in an earlier session (record in {record})", flush=True)
+        print(f"[skip] {run_dir.name}: done earlier (record in {record})", flush=True)
         return True
     whale = [sys.executable, "-m", "whale.cli", "run"]
     if status == "partial":
@@ -176,7 +176,7 @@ def run_one(method: str, seed: int, args) -> bool:
     print(f"[{time.strftime('%H:%M:%S')}] {'ok' if rc == 0 else f'FAILED (exit {rc})'} {run_dir} "
           f"({time.monotonic() - started:.0f} s)", flush=True)
     if rc == 0:
-        keep_records(args)  # now, not after the last run: a session can end before that
+        keep_records(args)  # now, not after the last run: the machine can go away before that
     return rc == 0
 
 
@@ -230,7 +230,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", default="runs/cmp_full")
     ap.add_argument("--set", action="append", default=[], help="override for every run: a.b=c (repeatable)")
     ap.add_argument("--report", default=None, help="also copy compare.md, its plots and the finished runs' records "
-                    "here (e.g. docs/results/cmp_full); "
+                    "here (e.g. docs/results/cmp_h64); "
                     "runs recorded there count as done")
     ap.add_argument("--code-since", default=None, metavar="COMMIT",
                     help="count a record as done only if made by code that contains COMMIT (after a fix that "

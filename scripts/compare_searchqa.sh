@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The method comparison of docs/results/: WHALE, weight-only, harness-only and prompt-only on
-# configs/searchqa_cpu.yaml, same rollout budget, seeds given as arguments (default 0 1 2).
+# A small method comparison (docs/results/cmp; the powered one is scripts/compare.py): WHALE,
+# weight-only, harness-only and prompt-only on configs/searchqa_cpu.yaml, same rollout budget,
+# seeds given as arguments (default 0 1 2).
 # Runs one after another (2 cores); a killed run continues with the same command (--resume).
 # KINDS="whale weight_only" limits the methods (e.g. to run two queues side by side).
 set -uo pipefail

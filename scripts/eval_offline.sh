@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offline-default evaluations quoted in docs/results/: `whale eval --json` on all three domains,
+# Fixed-harness evaluations on the offline default: `whale eval --json` on all three domains,
 # and search QA with and without retrieval on 64 test questions (strict EM, re-graded with the
 # bounded subspan grader from the saved traces).
 set -euo pipefail

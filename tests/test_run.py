@@ -187,8 +187,8 @@ def _compare_script():
 
 
 def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, tmp_path, monkeypatch):
-    """scripts/compare.py --report copies each finished run's record; a later session without the
-    run directory counts the recorded run as done and still compares it."""
+    """scripts/compare.py --report copies each finished run's record; a later rerun on a machine
+    without the run directory counts the recorded run as done and still compares it."""
     import argparse
     import shutil
 
@@ -205,7 +205,7 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     record = report / "runs" / "weight_only-s0"
     assert sorted(p.name for p in record.iterdir()) == sorted(script.RECORD_FILES)
     assert sum(p.stat().st_size for p in record.iterdir()) < 200_000  # small enough to commit
-    shutil.rmtree(out)  # the next session: a fresh machine, the records in git
+    shutil.rmtree(out)  # later, on a fresh machine: only the records, from git
     monkeypatch.setattr(script.subprocess, "call", lambda *a, **k: pytest.fail("a recorded run was run again"))
     assert script.run_one("weight_only", 0, args)
     assert script.status_line("weight_only-s0", args) == "done (record)"
@@ -253,7 +253,7 @@ def test_comparison_records_are_not_ignored_by_git():
 
 
 def test_compare_script_keeps_a_record_as_soon_as_its_run_ends(tiny_model_dir, tmp_path, monkeypatch):
-    """A session can end during a later run of the batch: each run's record is copied when that
+    """The machine can go away during a later run of the batch: each run's record is copied when that
     run ends, not when the whole batch does."""
     import argparse
 

@@ -282,7 +282,7 @@ def test_static_check_accepts_contract_and_allowlisted_package():
 
 def test_prompt_constants_are_required_only_by_prompt_only_search():
     bare = "def run(env, llm):\n    env.submit(str(llm([{'role': 'user', 'content': env.question}])))\n"
-    assert static_check(bare, Config()) is None  # DESIGN §4: run(env, llm) is the whole contract
+    assert static_check(bare, Config()) is None  # the harness contract: run(env, llm) is all of it
     for source, reason in [('USER_PROMPT = ""\n' + bare, "SYSTEM_PROMPT"),
                            ('SYSTEM_PROMPT = "a".upper()\nUSER_PROMPT = ""\n' + bare, "string literal")]:
         assert static_check(source, Config()) is None

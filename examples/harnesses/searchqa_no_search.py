@@ -1,4 +1,4 @@
-"""Search QA without retrieval (closed book): the control for the retrieval comparison in docs/results/."""
+"""Search QA without retrieval (closed book): the control for the retrieval comparison in scripts/eval_offline.sh."""
 
 SYSTEM_PROMPT = "You answer factual questions."
 USER_PROMPT = "Question: {question}\nGive the final answer inside <answer></answer> tags."

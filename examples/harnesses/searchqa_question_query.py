@@ -1,6 +1,6 @@
 """Search QA with the question itself as the BM25 query and a one-line answer (what the mutations
 `question_as_query` + `answer_first_line` do to h0, written out by hand): the retrieval arm of
-the retrieval-vs-closed-book comparison in docs/results/."""
+the retrieval-vs-closed-book comparison in scripts/eval_offline.sh."""
 
 SYSTEM_PROMPT = "You answer factual questions using the passage."
 USER_PROMPT = "Passage: {passage}\n\nQuestion: {question}\nAnswer with the name only, inside <answer></answer>."
