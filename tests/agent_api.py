@@ -11,7 +11,7 @@ It replays a script of agent-neutral steps, one per model turn: ("shell", comman
 path, text) or ("text", message). The turn is chosen by how many tool results the request carries,
 so the conversation is the same whatever the CLI sends in between. Requests that offer no tools
 (titles, summaries) get a one-word text answer. `mode` makes every turn fail instead: "500",
-"429" (HTTP errors) or "hang" (never answers). Tests only: nothing here is product code.
+"429", "401" (any HTTP status) or "hang" (never answers). Tests only: nothing here is product code.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ USAGE_IN, USAGE_OUT = 1000, 50  # tokens reported per turn
 def agent_script(candidate: str) -> list[tuple]:
     """The scripted round: read the brief and the archive, write one candidate, say so."""
     return [("shell", "cat BRIEF.md"),
-            ("shell", "ls archive && cat archive/summary.jsonl && head -c 3000 archive/h0/traces.jsonl"),
+            ("shell", "ls archive && cat archive/h0/harness.py && head -c 2000 archive/h0/traces.jsonl"),
             ("write", "candidates/cand_1.py", candidate),
             ("text", "Wrote candidates/cand_1.py.")]
 
@@ -72,9 +72,9 @@ class AgentAPI:
                 if api.mode == "hang":
                     api._stop.wait(600)
                     return
-                if api.mode in ("500", "429"):
-                    error = {"type": "error", "error": {"type": "overloaded_error" if api.mode == "500" else
-                                                        "rate_limit_error", "message": f"mock {api.mode}"}}
+                if api.mode.isdigit():
+                    kind = {"401": "authentication_error", "429": "rate_limit_error"}.get(api.mode, "api_error")
+                    error = {"type": "error", "error": {"type": kind, "message": f"mock {api.mode}"}}
                     return self._send(int(api.mode), "application/json", json.dumps(error).encode(),
                                       {"retry-after": "0"})
                 if path.endswith("/messages"):
