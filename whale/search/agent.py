@@ -1,9 +1,15 @@
 """The coding-agent proposer (the paper's): Claude Code, Codex or any command, run in a sandbox.
 
 `harness.agent` picks how the agent is started:
-- `claude_code`: `claude -p PROMPT --output-format stream-json --verbose --permission-mode M [--model X]`
-- `codex`: `codex exec --skip-git-repo-check --cd WORKSPACE --json --sandbox S [--model X] PROMPT`
+- `claude_code`: `claude -p PROMPT --output-format stream-json --verbose --permission-mode M --tools T
+  [--model X]`, its non-essential traffic off (CLAUDE_QUIET);
+- `codex`: `codex exec --json --skip-git-repo-check --cd WORKSPACE --sandbox S -c ... [--model X] PROMPT`,
+  with analytics, plugins and web search off (CODEX_QUIET);
 - `command`: `harness.agent_command`, a shell line with {workspace} and {brief} substituted.
+The pinned versions (PRESETS' `npm`) are the ones tests/test_agent_cli.py runs for real, offline,
+against a local stand-in of their APIs. `harness.agent_base_url` points a preset at another
+endpoint in the way its CLI needs. Before the first round a preflight checks for a login and runs
+`<cli> --version` exactly as a round would, so an agent that cannot start fails `whale run` at once.
 Under bubblewrap (`harness.agent_sandbox: bwrap`, the default) our sandbox is the boundary, so
 the presets switch the agent's own one off (Claude Code: bypassPermissions, declared with
 IS_SANDBOX=1 when we are root, as Claude Code demands; Codex: danger-full-access, since its own
