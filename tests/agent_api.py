@@ -152,9 +152,11 @@ class AgentAPI:
         if step[0] == "text":
             item = {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
                     "content": [{"type": "output_text", "text": step[1], "annotations": []}]}
-        elif step[0] == "shell":
+        elif step[0] == "shell" or "apply_patch" not in {t.get("name") for t in body.get("tools", [])}:
+            # Codex offers apply_patch only for models it knows; otherwise files are written by a shell command
+            cmd = step[1] if step[0] == "shell" else f"cat > {step[1]} <<'WHALE_EOF'\n{step[2]}WHALE_EOF"
             item = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": "exec_command",
-                    "arguments": json.dumps({"cmd": step[1]}), "status": "completed"}
+                    "arguments": json.dumps({"cmd": cmd}), "status": "completed"}
         else:
             patch = "".join(f"+{line}\n" for line in step[2].splitlines())
             item = {"type": "custom_tool_call", "id": f"ctc_{n}", "call_id": f"call_{n}", "name": "apply_patch",

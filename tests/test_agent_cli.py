@@ -23,7 +23,7 @@ from agent_api import USAGE_IN, USAGE_OUT, AgentAPI, agent_script
 from test_search import BETTER, ScriptedProposer, events, make_cfg, runners, search_for, toy  # noqa: F401 (fixtures)
 from toy import H0
 
-from whale.config import load_config
+from whale.config import ConfigError, load_config
 from whale.report import write_report
 from whale.run import run_experiment
 from whale.search.agent import PRESETS, AgentCLIProposer
@@ -225,7 +225,7 @@ def test_a_spent_proposer_budget_keeps_the_incoming_harness(toy, key, value):
 
 
 def test_proposer_budget_must_be_positive():
-    with pytest.raises(Exception, match="greater than 0"):
+    with pytest.raises(ConfigError, match="greater than 0"):
         load_config(None, ["harness.proposer_budget_usd=0"])
     assert load_config(None, ["harness.proposer_budget_tokens=null"]).harness.proposer_budget_tokens is None
 
