@@ -29,7 +29,6 @@ from whale.run import run_experiment
 from whale.search.agent import PRESETS, AgentCLIProposer
 from whale.search.agent_sandbox import bwrap_problem
 from whale.search.brief import make_brief
-from whale.search.loop import HarnessSearch
 from whale.search.proposal import Proposal, ProposerStopped
 from whale.store import read_metrics
 
@@ -214,8 +213,7 @@ class Paid(ScriptedProposer):
 def test_a_spent_proposer_budget_keeps_the_incoming_harness(toy, key, value):
     setattr(toy.cfg.harness, key, value)
     proposer = Paid([])
-    search = HarnessSearch(toy.cfg, toy.domain, toy.runner, toy.archive, proposer, progress=False,
-                           null_runner=toy.null_runner)
+    search = search_for(toy, proposer)
     result = search.run_phase("h0", "base", iterations=8)
     [stop] = events(result.history, "proposer_budget")
     assert proposer.calls == 3 and "proposer budget spent" in stop["reason"] and "keeping the incoming harness h0" in stop["reason"]
