@@ -27,7 +27,7 @@ from whale.config import ConfigError, load_config
 from whale.report import write_report
 from whale.run import run_experiment
 from whale.search.agent import PRESETS, AgentCLIProposer
-from whale.search.agent_sandbox import bwrap_problem
+from whale.search.agent_sandbox import PACKAGE_DIR, Bind, bwrap_problem, check_binds, executable_binds
 from whale.search.brief import make_brief
 from whale.search.proposal import Proposal, ProposerStopped
 from whale.store import read_metrics
@@ -243,3 +243,23 @@ def test_the_brief_says_how_to_work_and_what_not_to_do():
     assert hinted.index("## Hints for this domain\n\nCall env.add.") < hinted.index("## What to read")
     chat = make_brief(ToyDomain(), make_cfg(proposer="chat"), 1, weights_version="base", incoming_id="h0")
     assert "there is no shell" in chat and "python3" not in chat
+
+
+def test_an_npm_install_is_bound_as_its_whole_node_modules_tree(tmp_path):
+    """Codex's launcher looks for its native package beside it, under a folder named node_modules."""
+    modules = tmp_path / "lib" / "node_modules"
+    launcher = modules / "@openai" / "codex" / "bin" / "codex.js"
+    launcher.parent.mkdir(parents=True)
+    launcher.write_text("#!/usr/bin/env node\n")
+    launcher.chmod(0o755)
+    (modules / "@openai" / "codex-linux-x64").mkdir()
+    (modules / ".bin").mkdir()
+    (modules / ".bin" / "codex").symlink_to("../@openai/codex/bin/codex.js")
+    assert executable_binds("codex", str(modules / ".bin")) == [Bind(modules, "ro")]
+    (tmp_path / "bin").mkdir()  # nvm / npm -g layout: <prefix>/bin/codex -> ../lib/node_modules/...
+    (tmp_path / "bin" / "codex").symlink_to(launcher)
+    assert executable_binds("codex", str(tmp_path / "bin")) == [Bind(tmp_path / "bin", "ro"), Bind(modules, "ro")]
+    inside = Bind(PACKAGE_DIR / ".agents" / "node_modules", "ro")  # an ignored .agents/ in a checkout
+    check_binds([inside], tmp_path / "run", source_tree=False)
+    with pytest.raises(ValueError, match="would expose the whale source tree"):
+        check_binds([inside], tmp_path / "run")
