@@ -246,6 +246,7 @@ def test_agent_binds_may_not_expose_the_run_or_the_source_tree(run):
 
 # ----------------------------------------------------------------------------- presets
 STAND_IN = """#!/bin/sh
+if [ "$1" = --version ]; then echo "9.9.9 (stand-in)"; exit 0; fi
 echo '{usage}'
 echo "ARGV $*"
 echo "ENV $(env | cut -d= -f1 | sort | tr '\\n' ' ')"
@@ -293,23 +294,56 @@ def test_preset_command_lines(stand_ins, tmp_path):
     ws = tmp_path / "ws"
     claude = AgentCLIProposer(agent="claude_code", sandbox="none", model="claude-opus-4-6")
     assert claude.argv(ws) == ["claude", "-p", AGENT_PROMPT, "--output-format", "stream-json", "--verbose",
-                               "--permission-mode", "acceptEdits", "--allowedTools", "Read,Glob,Grep,Write,Edit",
+                               "--permission-mode", "acceptEdits", "--tools", "Read,Glob,Grep,Write,Edit",
                                "--model", "claude-opus-4-6"]
+    assert claude.version == "9.9.9"  # the preflight ran `claude --version`
     codex = AgentCLIProposer(agent="codex", sandbox="none")
-    assert codex.argv(ws) == ["codex", "exec", "--skip-git-repo-check", "--cd", str(ws), "--json",
-                              "--sandbox", "workspace-write", AGENT_PROMPT]
+    assert codex.argv(ws) == ["codex", "exec", "--json", "--skip-git-repo-check", "--cd", str(ws),
+                              "--sandbox", "workspace-write", "-c", "analytics.enabled=false",
+                              "-c", "features.plugins=false", "-c", 'web_search="disabled"', AGENT_PROMPT]
     env = claude.env()
     assert env["ANTHROPIC_API_KEY"] == "sk-ant-test" and "OPENAI_API_KEY" not in env
-    assert "WHALE_TEST_SECRET" not in env and "IS_SANDBOX" not in env
+    assert "WHALE_TEST_SECRET" not in env and "IS_SANDBOX" not in env and "CLAUDE_CODE_BUBBLEWRAP" not in env
+    assert env["DISABLE_TELEMETRY"] == env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert set(codex.env()) == {"PATH", "HOME", "LANG", "OPENAI_API_KEY"}
+
+
+def test_agent_base_url_is_the_right_thing_for_each_cli(stand_ins, tmp_path, monkeypatch):
+    ws = tmp_path / "ws"
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "https://elsewhere.example")
+    claude = AgentCLIProposer(agent="claude_code", sandbox="none", base_url="http://127.0.0.1:8080")
+    assert claude.env()["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8080"  # the config wins over the parent
+    codex = AgentCLIProposer(agent="codex", sandbox="none", base_url="http://127.0.0.1:8080/v1")
+    argv = codex.argv(ws)
+    assert argv[argv.index("model_provider=whale") - 1] == "-c"
+    assert 'model_providers.whale={name="whale", base_url="http://127.0.0.1:8080/v1", env_key="OPENAI_API_KEY", ' \
+           'wire_api="responses"}' in argv
+    monkeypatch.delenv("OPENAI_API_KEY")
+    monkeypatch.setenv("CODEX_API_KEY", "k")
+    with pytest.raises(RuntimeError, match="reads its key from OPENAI_API_KEY"):
+        AgentCLIProposer(agent="codex", sandbox="none", base_url="http://127.0.0.1:8080/v1")
+    with pytest.raises(ValueError, match="agent_base_url is for the claude_code and codex presets"):
+        AgentCLIProposer("true", sandbox="none", base_url="http://127.0.0.1:8080")
+
+
+def test_an_agent_that_cannot_start_or_log_in_is_refused_when_built(stand_ins, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    with pytest.raises(RuntimeError, match="'claude_code' has no login: set ANTHROPIC_API_KEY or"):
+        AgentCLIProposer(agent="claude_code", sandbox="none")
+    (stand_ins / ".claude" / ".credentials.json").write_text("{}")  # a `claude` login counts
+    assert AgentCLIProposer(agent="claude_code", sandbox="none").version == "9.9.9"
+    broken = Path(shutil.which("codex"))
+    broken.write_text("#!/bin/sh\necho 'Error: Missing optional dependency @openai/codex-linux-x64' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="'codex' could not start .*exited with 1.*Missing optional dependency"):
+        AgentCLIProposer(agent="codex", sandbox="none")
 
 
 @NEEDS_BWRAP
 def test_sandboxed_preset_command_lines(stand_ins, run, tmp_path):
     ws = tmp_path / "ws"
     claude = AgentCLIProposer(agent="claude_code")
-    assert claude.argv(ws)[-2:] == ["--permission-mode", "bypassPermissions"]
-    assert ("IS_SANDBOX" in claude.env()) == (os.getuid() == 0)
+    assert claude.argv(ws)[-4:] == ["--permission-mode", "bypassPermissions", "--tools", "Bash,Read,Write,Edit,Glob,Grep"]
+    assert ("IS_SANDBOX" in claude.env()) == (os.getuid() == 0) and claude.env()["CLAUDE_CODE_BUBBLEWRAP"] == "1"
     full = claude.full_argv(ws, run.run_dir)
     assert full[0] == "bwrap" and full[full.index("--") + 1:] == claude.argv(ws)
     assert ("--cap-drop" in full) == (os.getuid() == 0) and ("--unshare-user" in full) == (os.getuid() != 0)

@@ -179,6 +179,7 @@ def run_cmd(
 ):
     """Run WHALE or a baseline (schedule.kind) and write the run directory."""
     from whale.run import run_experiment
+    from whale.search.proposal import ProposerStopped
 
     if config and config_opt and config != config_opt:
         _fail(f"two configs given ({config} and --config {config_opt}); give one")
@@ -195,7 +196,7 @@ def run_cmd(
                 _fail("give a config file (see configs/) or --resume RUN_DIR")
             cfg = _config(config, set_)
             run_dir = run_experiment(cfg, out=out)
-    except ConfigError as e:
+    except (ConfigError, ProposerStopped) as e:
         _fail(str(e))
     console.print(f"[green]done[/]: {run_dir}  (report: whale report {run_dir})")
 

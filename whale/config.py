@@ -180,6 +180,9 @@ class HarnessSearchConfig(_Strict):
         "command", description="agent_cli: a preset invocation (claude_code, codex) or agent_command")
     agent_command: str | None = Field(None, description="agent 'command': shell command; {brief} {workspace} substituted")
     agent_model: str | None = Field(None, description="claude_code/codex: --model (the CLI's default if empty)")
+    agent_base_url: str | None = Field(None, description="claude_code/codex: the endpoint the agent calls instead of "
+                                       "its vendor's (claude_code: ANTHROPIC_BASE_URL, e.g. http://host:port; codex: a "
+                                       "provider entry, e.g. http://host:port/v1, key in OPENAI_API_KEY)")
     agent_timeout_s: float = Field(2400, description="agent_cli: seconds one proposal round may take")
     agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
                                  "besides the preset's; all others are scrubbed except PATH, HOME, LANG")
@@ -191,6 +194,9 @@ class HarnessSearchConfig(_Strict):
         "(claude_code: ~/.claude rw, ~/.claude.json copy; codex: ~/.codex rw)")
     workspace_root: str | None = Field(None, description="where proposer workspaces go (outside the run "
                                        "directory); default: a private folder in the system temp dir")
+    proposer_budget_usd: float | None = Field(None, gt=0, description="proposing stops (the incoming harness is kept) "
+                                              "once the run's proposer rounds cost this much, as the agent reports it")
+    proposer_budget_tokens: int | None = Field(None, gt=0, description="the same in proposer tokens (input + output)")
     chat_model: str | None = Field(None, description="chat: the proposer model")
     chat_base_url: str | None = Field(None, description="chat: its OpenAI-compatible endpoint")
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")

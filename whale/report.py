@@ -233,6 +233,28 @@ def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], 
     return lines, parts, totals
 
 
+def _proposer_lines(rows: list[dict], led: dict) -> list[str]:
+    """What proposing cost, per harness phase (cycle) and for the run: rounds, failed rounds,
+    tokens, USD (as the agent reports it; Codex reports no USD) and seconds. Not in the
+    rollout counts above: the proposer's compute is spending of its own."""
+    rounds = [r for r in rows if r.get("event") in ("proposer_usage", "proposer_failure")]
+    if not rounds:
+        return []
+    lines = ["## What proposing cost", "", "| harness phase (cycle) | rounds | failed | tokens | USD | seconds |",
+             "|---|---|---|---|---|---|"]
+    for cycle in dict.fromkeys(r.get("cycle") for r in rounds):
+        mine = [r for r in rounds if r.get("cycle") == cycle]
+        usage = [r.get("usage") or {} for r in mine]
+        lines.append(f"| {cycle} | {len(mine)} | {sum(r['event'] == 'proposer_failure' for r in mine)} | "
+                     f"{sum(int(u.get('tokens', 0)) for u in usage)} | {sum(u.get('cost_usd', 0.0) for u in usage):.4f} | "
+                     f"{sum(u.get('seconds', 0.0) for u in usage):.1f} |")
+    lines += [f"| run | {len(rounds)} | {sum(r['event'] == 'proposer_failure' for r in rounds)} | "
+              f"{led.get('proposer_tokens', 0)} | {led.get('proposer_cost_usd', 0.0):.4f} | "
+              f"{led.get('proposer_seconds', 0)} |", ""]
+    lines += [f"- {r['reason']}" for r in rows if r.get("event") in ("proposer_budget", "proposer_stopped")]
+    return lines + ([""] if lines[-1] else [])
+
+
 def write_report(run_dir: str | Path) -> Path:
     from whale.run import load_summary
 
@@ -266,7 +288,7 @@ def write_report(run_dir: str | Path) -> Path:
         lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
     lines += ["", f"LLM calls {led.get('llm_calls', 0)}, tokens {led.get('tokens', 0)} "
               f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
-              f"proposer time {led.get('proposer_seconds', 0)} s.", "",
+              f"proposer time {led.get('proposer_seconds', 0)} s.", "", *_proposer_lines(rows, led),
               "![accuracy vs rollouts](accuracy_vs_rollouts.png)", "", "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
     attribution, parts, totals = _attribution_lines(rows, ["test", "val"])
     if attribution and _attribution_plot(parts, totals, out / "phase_gains.png", f"{name}: gain by phase"):

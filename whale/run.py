@@ -456,10 +456,12 @@ class Experiment:
         def on_iteration(row: dict[str, Any]) -> None:
             self.unit = f"c{st['cycle']}-h{row.get('iteration', '?')}"
             self.progress.harness_iterations += 1 if row.get("event") == "iteration_end" else 0
-            if row.get("event") == "proposer_usage":
+            if row.get("event") in ("proposer_usage", "proposer_failure"):  # a failed round spends too
                 usage = row.get("usage") or {}
                 self.run_dir.ledger.add_proposer(f"{self.unit}:proposer", float(usage.get("seconds", 0.0)),
-                                                 int(usage.get("tokens", 0)))
+                                                 int(usage.get("tokens", 0)), float(usage.get("cost_usd", 0.0)))
+            if row.get("event") == "proposer_budget":
+                console.print(f"  {row['reason']}")
             self.log(row.get("event", "harness"), **{k: v for k, v in row.items() if k != "event"})
             st["search"] = search.state_dict()
             self.save()

@@ -104,6 +104,7 @@ class Ledger:
     completion_tokens: int = 0
     proposer_seconds: float = 0.0
     proposer_tokens: int = 0
+    proposer_cost_usd: float = 0.0
     keys: set[str] = field(default_factory=set)
     path: Path | None = None
 
@@ -125,9 +126,11 @@ class Ledger:
                       "completion_tokens": int(completion_tokens)})
         return counted_as
 
-    def add_proposer(self, key: str, seconds: float, tokens: int) -> None:
-        """Proposer time and tokens: real spending, so a proposer re-run after a kill counts again."""
-        self._record({"key": key, "proposer_seconds": float(seconds), "proposer_tokens": int(tokens)})
+    def add_proposer(self, key: str, seconds: float, tokens: int, cost_usd: float = 0.0) -> None:
+        """Proposer time, tokens and USD (as the agent reports it; 0 when it does not): real
+        spending, so a proposer re-run after a kill counts again."""
+        self._record({"key": key, "proposer_seconds": float(seconds), "proposer_tokens": int(tokens),
+                      "proposer_cost_usd": float(cost_usd)})
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self.path is not None:
@@ -143,6 +146,7 @@ class Ledger:
         self.completion_tokens += e.get("completion_tokens", 0)
         self.proposer_seconds += e.get("proposer_seconds", 0.0)
         self.proposer_tokens += e.get("proposer_tokens", 0)
+        self.proposer_cost_usd += e.get("proposer_cost_usd", 0.0)
 
     @classmethod
     def load(cls, path: Path, snapshot: dict[str, Any] | None = None) -> "Ledger":
@@ -157,7 +161,7 @@ class Ledger:
         return {"budget_rollouts": self.budget_rollouts, "rollouts": dict(self.rollouts),
                 "llm_calls": self.llm_calls, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "proposer_seconds": round(self.proposer_seconds, 2),
-                "proposer_tokens": self.proposer_tokens}
+                "proposer_tokens": self.proposer_tokens, "proposer_cost_usd": round(self.proposer_cost_usd, 4)}
 
     @classmethod
     def from_snapshot(cls, d: dict[str, Any]) -> "Ledger":
@@ -166,6 +170,7 @@ class Ledger:
         for key in ("llm_calls", "prompt_tokens", "completion_tokens", "proposer_tokens"):
             setattr(led, key, int(d.get(key, 0)))
         led.proposer_seconds = float(d.get("proposer_seconds", 0.0))
+        led.proposer_cost_usd = float(d.get("proposer_cost_usd", 0.0))
         return led
 
 

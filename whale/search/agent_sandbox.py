@@ -6,7 +6,7 @@ see, not by asking. The mount namespace bwrap builds holds:
 - read-only: /usr (with every Python site-/dist-packages folder under it hidden by an empty
   tmpfs: installed packages may carry datasets or this product), /bin /lib /lib64 /sbin, an
   allowlist of /etc entries (DNS, TLS certificates, users, time zone, loader), and the agent's own
-  install folder when it lives outside /usr;
+  install folder when it lives outside /usr (for an npm install its whole node_modules tree);
 - an empty tmpfs for $HOME, /tmp; fresh /proc (new PID namespace) and a minimal /dev;
 - the configured binds (the agent's config such as ~/.claude: read-only, read-write, or for a
   file a private copy);
@@ -71,11 +71,16 @@ def check_bind_paths(binds: Iterable[Bind]) -> None:
             raise ValueError(f"harness.agent_binds: {b.path} is not a file; mode 'copy' is for files")
 
 
-def check_binds(binds: Iterable[Bind], run_dir: Path) -> None:
-    """Refuse a bind that would put the run directory or the product's tree inside the sandbox."""
+def check_binds(binds: Iterable[Bind], run_dir: Path, source_tree: bool = True) -> None:
+    """Refuse a bind that would put the run directory or (`source_tree`) the product's tree inside
+    the sandbox. The agent's own install folder is checked against the run only: a `node_modules`
+    folder of an ignored `.agents/` in a checkout holds npm packages, none of the product."""
+    secrets = [(Path(run_dir).resolve(), "the run directory")]
+    if source_tree:
+        secrets.append((PACKAGE_DIR, "the whale source tree"))
     for b in binds:
         p = b.path.resolve()
-        for secret, what in ((Path(run_dir).resolve(), "the run directory"), (PACKAGE_DIR, "the whale source tree")):
+        for secret, what in secrets:
             if p == secret or p in secret.parents or secret in p.parents:
                 raise ValueError(f"harness.agent_binds: {b.path} would expose {what} ({secret}) to the agent")
 
@@ -83,22 +88,22 @@ def check_binds(binds: Iterable[Bind], run_dir: Path) -> None:
 def executable_binds(name: str, search_path: str) -> list[Bind]:
     """Read-only binds that make executable `name` (found on `search_path`) runnable inside.
 
-    Nothing when it lives under /usr (already visible). Otherwise its folder on PATH (for an nvm
-    or ~/.local install that is also where `node` or the launcher sits) and the folder of the
-    file it resolves to: the npm package root (nearest ancestor with package.json, at most three
-    levels up) or the file's own folder (a native binary such as ~/.local/share/claude/versions).
+    Nothing when it lives under /usr (already visible). An npm install (the file resolves into a
+    `node_modules` folder): that whole `node_modules` tree, because launchers look for their
+    native packages beside them (Codex's `codex.js` needs `@openai/codex-linux-x64`, and finds it
+    only under a folder named node_modules). Otherwise the file's own folder (a native binary
+    such as ~/.local/share/claude/versions). Plus its folder on PATH when that is elsewhere (for
+    an nvm or ~/.local install that is also where `node` sits).
     """
     found = shutil.which(name, path=search_path)
     if found is None:
         return []
     real = Path(found).resolve()
-    target = real.parent
-    for parent in list(real.parents)[:3]:
-        if (parent / "package.json").is_file():
-            target = parent
-            break
-    return [Bind(p, "ro") for p in dict.fromkeys((Path(found).parent, target))
-            if not str(p).startswith("/usr/")]
+    modules = [p for p in real.parents if p.name == "node_modules"]
+    target = modules[-1] if modules else real.parent  # the outermost: nested installs share its packages
+    on_path = Path(found).parent
+    paths = [target] if target == on_path or target in on_path.parents else [on_path, target]
+    return [Bind(p, "ro") for p in dict.fromkeys(paths) if not str(p).startswith("/usr/")]
 
 
 def _system_mounts() -> list[str]:

@@ -1,9 +1,13 @@
 """BRIEF.md: what a proposer is told before it reads the archive.
 
 Meta-Harness's authors found the skill text matters more than iteration count or population size,
-so the brief is explicit: the harness contract, the domain, what to read (code and raw traces
-first), and the rules the released WHALE skill enforces (one mechanism per candidate, no
-parameter-only variants, no dataset-specific or question-conditional code, no benchmarks).
+so the brief is explicit: the harness contract, the domain, what to read (code and raw traces,
+failures first), how to work (diagnose, then prototype, then write), and the rules the released
+WHALE and Meta-Harness skills insist on, in our words: one mechanism per candidate, no
+parameter-only variants, no dataset-specific or question-conditional code, the exact file
+contract, no evaluations and nothing read outside the workspace (the sandbox enforces the last
+two for a coding agent; the brief says why, so a strong agent does not waste its turns trying).
+Per-domain hints (`hints`) get their own section after the domain's description.
 """
 
 from __future__ import annotations
@@ -37,9 +41,30 @@ A harness is ONE Python file that defines
   files of the project. It never sees the gold answer or the grader.
 """
 
+WORKFLOW = """\
+1. Read the failures first: in the incoming harness's `traces.jsonl`, the episodes with reward 0.
+   For each, find the first step where it went wrong (the prompt the model saw, its completion,
+   the parsing of it, a tool result, the submitted answer). Count which failure mode is most
+   common; the summary rows and the automatic first read above are a start, not the answer.
+2. Read the code of the incoming harness and of the best few in `summary.jsonl`, and what earlier
+   candidates tried (their Hypothesis/Mechanism lines and scores): do not repeat a mechanism that
+   already failed under these weights unless you can say what was wrong with its implementation.
+3. Choose one mechanism per candidate that addresses a failure mode you saw. Where changes come
+   from: what the model is shown (instructions, examples, which context or tool result, its
+   layout); how answers are produced (several samples and a vote, a check-and-retry step,
+   `choices=` or a prefill that fixes the format); how the model's text is turned into an
+   answer (extraction, normalisation, fallbacks); how tools are used (which, when, how often,
+   what is kept of their results); control flow (steps, early exits, budgets per step).
+4. Prototype before you write{prototype}
+5. Critique each candidate against the rules below and against the traces, then write it.
+6. Finish with a short report (at most 30 lines): per candidate the failure mode, the mechanism
+   and why you expect it to help.
+"""
+
 RULES = """\
-1. Write exactly {n} file(s): `candidates/cand_1.py` ... `candidates/cand_{n}.py`. Nothing else
-   you write is collected.
+1. Write exactly {n} file(s): `candidates/cand_1.py` ... `candidates/cand_{n}.py` (regular
+   files directly in candidates/). Nothing else you write is collected; the workspace is
+   deleted when you finish.
 2. Each file starts with a module docstring containing the lines
        Hypothesis: <why this should raise the success rate, citing what you saw in traces>
        Mechanism: <the ONE mechanism this candidate changes>
@@ -49,9 +74,12 @@ RULES = """\
    or constants is wasted budget. Change what the harness does.
 5. No dataset-specific hacks: no dataset names, no lookup tables of questions or answers, no
    code that branches on the text of particular questions.
-6. Never look for or read test or validation data; the archive is all you may read.
-7. Do not run benchmarks or evaluate candidates yourself: evaluation happens outside, on the
-   harness-search split, after you finish.
+6. Read nothing outside your working directory: the archive is all you may read. Never look
+   for test or validation data, other runs, or this framework's code; they are not there to
+   find, and a candidate tuned to anything but the archive's traces does not generalise.
+7. Do not run benchmarks or evaluate candidates (there is no model here to run them with):
+   evaluation happens outside, on the harness-search split, after you finish. Do not hand the
+   work to sub-agents; write the candidates yourself.
 8. Standard library only{extra}; keep the file under {max_bytes} bytes.
 9. The model must do the work: a harness whose score barely drops when the model is replaced by
    random output (a null-engine probe) is rejected. Help the model; do not answer for it.
@@ -75,9 +103,10 @@ Only scores measured under the current weights version (`{version}`) are compara
 def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
                frontier: list[dict[str, Any]] | None = None, prompt_only: bool = False,
                base_source: str | None = None, archive_path: str = "archive/",
-               diagnoses: dict[str, str] | None = None) -> str:
+               diagnoses: dict[str, str] | None = None, hints: str = "") -> str:
     """`diagnoses` (harness id -> diagnose.py's text) is the first read of the traces, the same
-    one the offline mutation proposer acts on; the proposer should check it against the traces."""
+    one the offline mutation proposer acts on; the proposer should check it against the traces.
+    `hints`: what is known to help or hurt on this domain, shown as its own section."""
     extra = cfg.runner.sandbox.extra_packages
     extra_text = f" plus {', '.join(extra)}" if extra else ""
     b = cfg.domain.budget
@@ -90,6 +119,7 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
         f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
         f"at most {cfg.sampling.max_tokens_cap}.\n",
         "\n## The domain\n\n", str(getattr(domain, "brief", "")).strip() + "\n",
+        *(["\n## Hints for this domain\n\n", hints.strip() + "\n"] if hints.strip() else []),
         "\n## What to read\n\n", READ.format(archive=archive_path, version=weights_version),
         "\n## Where things stand\n\n",
         f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
@@ -108,6 +138,12 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
         for cid, text in diagnoses.items():
             parts.append(f"- `{cid}` under `{weights_version}`: {text}\n")
         parts.append("Fix the most common failure mode first, unless the traces show it is not the real cause.\n")
+    prototype = (" (chat proposer: there is no shell, so check the code by reading it against the traces)."
+                 if cfg.harness.proposer == "chat" else
+                 ": run your harness with `python3` (standard library)\n   on a stand-in `env` and an `llm` that "
+                 "replays completions recorded in traces.jsonl, for a failed\n   and a passed episode; it must run "
+                 "and reach env.submit. Keep such scratch files outside\n   candidates/ (e.g. in /tmp).")
+    parts += ["\n## How to work\n\n", WORKFLOW.format(prototype=prototype)]
     parts += ["\n## Rules\n\n", RULES.format(n=n, extra=extra_text, max_bytes=cfg.harness.max_file_bytes)]
     if prompt_only:
         parts += [

@@ -11,11 +11,17 @@ the null-engine probe on those samples (guard.py). The incoming harness stays ot
 
 Everything that happens is a history row handed to `on_iteration(row)` (the caller writes them to
 metrics.jsonl): rescore, candidate (evaluated), invalid, duplicate, proposer_failure, null_probe,
-iteration_end, confirm, accept. After every row `state_dict()` is consistent; the caller saves it then.
+iteration_end, confirm, accept, proposer_budget, proposer_stopped. After every row `state_dict()` is consistent; the caller saves it then.
 Resume (`load_state_dict`, then `run_phase` with the same incoming id and weights version):
 proposals are archived (status "pending") before any is validated, so a killed phase re-proposes
 only if it died while the proposer ran, and redoes at most the one pending candidate that was
 being evaluated.
+
+A proposer round that fails is an empty iteration with its reason on record (the run goes on);
+the same failure FAILURE_REPEATS rounds in a row raises ProposerStopped instead of repeating it.
+Every round's usage (seconds, tokens, USD where the agent reports it) is in its round.json; once
+their sum reaches harness.proposer_budget_usd / _tokens, phases stop proposing and keep their
+incoming harness.
 
 Adaptive mode (patience on the search signal, as in the paper's adaptive schedule): at least
 1 + harness.min_iterations and at most 1 + harness.max_iterations iterations; stop once
@@ -40,9 +46,11 @@ from whale.search.archive import Archive, atomic_write
 from whale.search.brief import make_brief
 from whale.search.diagnose import diagnose_harness
 from whale.search.guard import null_probe
-from whale.search.proposal import ProposalContext
+from whale.search.proposal import ProposalContext, ProposerStopped
 from whale.search.validate import validate_candidate
 from whale.search.workspace import proposer_workspace_root
+
+FAILURE_REPEATS = 3  # proposer rounds failing alike in a row that stop the search (ProposerStopped)
 
 
 @dataclass
@@ -77,6 +85,7 @@ class HarnessSearch:
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
         self._can_spend: Callable[[int], bool] | None = None  # the budget's say on further confirmation rounds
+        self._failures: tuple[str | None, int] = (None, 0)  # the last proposer failure (numbers masked), rounds in a row
         # the candidate whose rollouts the next ledger_callback counts, so the caller can key each
         # batch by the work that ran it (a batch run again after a kill is then recognised as redone)
         self.subject: str | None = None
@@ -132,6 +141,11 @@ class HarnessSearch:
             it = st["done"] + 1
             if it > 1 and should_stop is not None and should_stop():
                 self._emit({"event": "phase_stopped", "iteration": st["done"], "reason": "should_stop (budget)"})
+                break
+            spent = self._budget_spent() if it > 1 else None
+            if spent:
+                self._emit({"event": "proposer_budget", "iteration": st["done"],
+                            "reason": f"{spent}; keeping the incoming harness {incoming_id}"})
                 break
             if it == 1:
                 st["best_rate"], st["stale"] = self._rescore(incoming_id, weights_version), 0
@@ -242,20 +256,21 @@ class HarnessSearch:
         ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
                               prompt_only=prompt_only, base_source=base if prompt_only else None, tag=tag,
                               seed=self.cfg.seed)
-        name = getattr(self.proposer, "name", type(self.proposer).__name__)
+        name = self.proposer.name
         try:
             proposals = self.proposer.propose(self.archive, self.domain, m, self.workspace_root / tag, ctx)
-            error = getattr(self.proposer, "last_error", None)
+            error, usage = self.proposer.last_error, dict(self.proposer.last_usage)
         except Exception as e:  # noqa: BLE001 - a proposer bug must not end the run
-            proposals, error = [], f"proposer raised {type(e).__name__}: {e}"
-        usage = dict(getattr(self.proposer, "last_usage", {}) or {})
+            proposals, error, usage = [], f"proposer raised {type(e).__name__}: {e}", {}
         round_info = {"tag": tag, "phase": self._state["phase"], "iteration": it, "weights_version": version,
                       "incoming_id": incoming, "proposer": name, "error": error, "usage": usage, "ids": []}
         if not proposals:
             atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
-            self._emit({"event": "proposer_failure", "iteration": it, "proposer": name,
-                        "reason": error or "proposer returned no candidates", "usage": usage})
+            reason = error or "proposer returned no candidates"
+            self._emit({"event": "proposer_failure", "iteration": it, "proposer": name, "reason": reason, "usage": usage})
+            self._same_failure(reason)
             return []
+        self._failures = (None, 0)
         if error:
             self._emit({"event": "proposer_warning", "iteration": it, "proposer": name, "reason": error})
         self._emit({"event": "proposer_usage", "iteration": it, "proposer": name, "n": len(proposals), "usage": usage})
@@ -266,6 +281,42 @@ class HarnessSearch:
         round_info["ids"] = ids
         atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
         return ids
+
+    def _same_failure(self, reason: str) -> None:
+        """Raise ProposerStopped once the proposer failed FAILURE_REPEATS rounds in a row for the
+        same reason (numbers aside: ports, seconds): a missing package or a refused key fails
+        every round alike, and repeating it spends the budget on nothing. The state is saved, so
+        `whale run --resume` continues the phase once it is fixed."""
+        key = re.sub(r"\d+(\.\d+)?", "N", reason)
+        last, count = self._failures
+        self._failures = (key, count + 1 if key == last else 1)
+        if self._failures[1] >= FAILURE_REPEATS:
+            self._emit({"event": "proposer_stopped", "iteration": self._state["done"] + 1, "reason": reason})
+            raise ProposerStopped(f"the proposer failed {FAILURE_REPEATS} rounds in a row with: {reason}; fix it and "
+                                  f"continue with `whale run --resume {self.archive.run_dir}`")
+
+    def proposer_spent(self) -> dict[str, float]:
+        """What the run's proposer rounds cost so far (tokens, cost_usd, seconds), summed over
+        their round.json files: every round, failed or not, resumed runs included."""
+        total = {"tokens": 0, "cost_usd": 0.0, "seconds": 0.0}
+        for path in (self.archive.root / "_proposals").glob("*/round.json"):
+            usage = json.loads(path.read_text()).get("usage") or {}
+            for k in total:
+                total[k] += usage.get(k) or 0
+        return total
+
+    def _budget_spent(self) -> str | None:
+        """Why no more proposals may be asked for (harness.proposer_budget_*), or None."""
+        h = self.cfg.harness
+        if h.proposer_budget_usd is None and h.proposer_budget_tokens is None:
+            return None
+        spent = self.proposer_spent()
+        if h.proposer_budget_usd is not None and spent["cost_usd"] >= h.proposer_budget_usd:
+            return f"proposer budget spent: ${spent['cost_usd']:.2f} of harness.proposer_budget_usd ${h.proposer_budget_usd:g}"
+        if h.proposer_budget_tokens is not None and spent["tokens"] >= h.proposer_budget_tokens:
+            return (f"proposer budget spent: {int(spent['tokens'])} tokens of harness.proposer_budget_tokens "
+                    f"{h.proposer_budget_tokens}")
+        return None
 
     def _handle(self, cid: str, it: int, version: str) -> None:
         """Validate and evaluate one pending candidate (already handled ones are left alone)."""

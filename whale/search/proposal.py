@@ -37,10 +37,17 @@ class ProposalContext:
     seed: int = 0
 
 
+class ProposerStopped(RuntimeError):
+    """The proposer failed the same way round after round (search/loop.py): the search stops."""
+
+
 class Proposer(Protocol):
     """Writes up to `n` candidates. A failure (crash, timeout, nothing written, endpoint down)
-    never raises: `propose` returns what it has (maybe []) and says why in `last_error`."""
+    never raises: `propose` returns what it has (maybe []) and says why in `last_error`.
+    `last_usage` is what the last round spent: seconds, and tokens / cost_usd where known.
+    `name` is what the archive records as each candidate's proposer."""
 
+    name: str
     last_error: str | None
     last_usage: dict[str, float]
 

@@ -28,7 +28,7 @@ def make_proposer(cfg: Config) -> Proposer:
     if h.proposer == "agent_cli":
         try:
             return AgentCLIProposer(h.agent_command, h.agent_timeout_s, tuple(h.agent_env), agent=h.agent,
-                                    model=h.agent_model, sandbox=h.agent_sandbox,
+                                    model=h.agent_model, sandbox=h.agent_sandbox, base_url=h.agent_base_url,
                                     binds=None if h.agent_binds is None else [(b.path, b.mode) for b in h.agent_binds])
         except (ValueError, RuntimeError) as e:  # a bad key, or a sandbox or CLI this machine lacks
             raise ConfigError(str(e)) from None
