@@ -190,6 +190,17 @@ def test_the_same_failure_round_after_round_stops_the_search(toy):
     assert proposer.calls == 3 and events(search._history, "proposer_stopped")
 
 
+def test_the_same_failure_across_short_phases_stops_the_search(toy):
+    """Phases of two iterations (one proposer round each) still add up: the Codex run that
+    repeated one failure 19 times did so over many short phases."""
+    proposer = ScriptedProposer([], error="Error: Missing optional dependency @openai/codex-linux-x64")
+    for _ in range(2):  # the run starts a new search for every phase
+        search_for(toy, proposer).run_phase("h0", "base", iterations=2)
+    with pytest.raises(ProposerStopped, match="failed 3 rounds in a row with: .*Missing optional dependency"):
+        search_for(toy, proposer).run_phase("h0", "base", iterations=2)
+    assert proposer.calls == 3
+
+
 def test_different_failures_do_not_stop_the_search(toy):
     class Varied(ScriptedProposer):
         def propose(self, *a, **k):

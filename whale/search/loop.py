@@ -85,7 +85,6 @@ class HarnessSearch:
         self._history: list[dict[str, Any]] = []
         self._on_iteration: Callable[[dict], None] | None = None
         self._can_spend: Callable[[int], bool] | None = None  # the budget's say on further confirmation rounds
-        self._failures: tuple[str | None, int] = (None, 0)  # the last proposer failure (numbers masked), rounds in a row
         # the candidate whose rollouts the next ledger_callback counts, so the caller can key each
         # batch by the work that ran it (a batch run again after a kill is then recognised as redone)
         self.subject: str | None = None
@@ -270,7 +269,6 @@ class HarnessSearch:
             self._emit({"event": "proposer_failure", "iteration": it, "proposer": name, "reason": reason, "usage": usage})
             self._same_failure(reason)
             return []
-        self._failures = (None, 0)
         if error:
             self._emit({"event": "proposer_warning", "iteration": it, "proposer": name, "reason": error})
         self._emit({"event": "proposer_usage", "iteration": it, "proposer": name, "n": len(proposals), "usage": usage})
@@ -282,15 +280,21 @@ class HarnessSearch:
         atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
         return ids
 
+    def _rounds(self) -> list[dict]:
+        """Every proposer round of the run so far (round.json files), oldest first."""
+        rounds = [json.loads(p.read_text()) for p in (self.archive.root / "_proposals").glob("*/round.json")]
+        return sorted(rounds, key=lambda r: (r.get("phase", 0), r.get("iteration", 0)))
+
     def _same_failure(self, reason: str) -> None:
-        """Raise ProposerStopped once the proposer failed FAILURE_REPEATS rounds in a row for the
-        same reason (numbers aside: ports, seconds): a missing package or a refused key fails
-        every round alike, and repeating it spends the budget on nothing. The state is saved, so
+        """Raise ProposerStopped once the run's last FAILURE_REPEATS proposer rounds all failed for
+        the same reason (numbers aside: ports, seconds): a missing package or a refused key fails
+        every round alike, and repeating it spends the budget on nothing. Counted over the rounds
+        on disk, so short harness phases and resumes do not reset it. The state is saved, so
         `whale run --resume` continues the phase once it is fixed."""
-        key = re.sub(r"\d+(\.\d+)?", "N", reason)
-        last, count = self._failures
-        self._failures = (key, count + 1 if key == last else 1)
-        if self._failures[1] >= FAILURE_REPEATS:
+        last = self._rounds()[-FAILURE_REPEATS:]
+        keys = {re.sub(r"\d+(\.\d+)?", "N", r.get("error") or "proposer returned no candidates")
+                for r in last if not r.get("ids")}
+        if len(last) == FAILURE_REPEATS and all(not r.get("ids") for r in last) and len(keys) == 1:
             self._emit({"event": "proposer_stopped", "iteration": self._state["done"] + 1, "reason": reason})
             raise ProposerStopped(f"the proposer failed {FAILURE_REPEATS} rounds in a row with: {reason}; fix it and "
                                   f"continue with `whale run --resume {self.archive.run_dir}`")
@@ -299,8 +303,8 @@ class HarnessSearch:
         """What the run's proposer rounds cost so far (tokens, cost_usd, seconds), summed over
         their round.json files: every round, failed or not, resumed runs included."""
         total = {"tokens": 0, "cost_usd": 0.0, "seconds": 0.0}
-        for path in (self.archive.root / "_proposals").glob("*/round.json"):
-            usage = json.loads(path.read_text()).get("usage") or {}
+        for round_info in self._rounds():
+            usage = round_info.get("usage") or {}
             for k in total:
                 total[k] += usage.get(k) or 0
         return total
