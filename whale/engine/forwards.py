@@ -1,4 +1,4 @@
-"""The hf engine's model forwards: a prefill chunk, a mixed forward, a decode step.
+"""The hf engine's model forwards: a prefill chunk and a decode step.
 
 Why apart from the scheduler: engine/scheduler.py decides WHAT runs at each step (admission,
 prefix sources, prefill rounds, retirement); `Forwards` runs it. It builds each forward's inputs
@@ -6,18 +6,15 @@ over the KV slab, calls the model, draws every row's token from that row's own u
 the work in the scheduler's `stats`. It holds nothing of its own beyond references to the
 engine, the slab and the stats, so the scheduler's state stays in one place.
 
-Three forwards, one per situation:
+Two forwards:
 - `prefill`: the prompt suffixes (and choice trees) of consecutive slab rows, padded to the
-  longest (engine/prefill.py builds the inputs), sdpa with grouped-query heads on CPU
-  (engine/attention.py);
-- `decode`: one token of every live row, its attention over the slab (engine/attention.py) on CPU;
-- `mixed`: both at once, packed into one row (engine/mixed.py), when the step's decode can ride in
-  its last prefill forward (`can_mix`, `mixable`): the weights are streamed once for both.
+  longest (engine/prefill.py builds the inputs); on CPU in bfloat16 its attention is
+  matmul-softmax-matmul (engine/attention.py);
+- `decode`: one token of every live row, its attention over the slab's live columns
+  (engine/attention.py) on CPU.
 
-On CPU in float32 or bfloat16 every forward runs its Linear layers of up to 64 rows on weights
-packed once (engine/packed.py, `model.packed_gemm`): decode steps, and prefill's lm_head over the
-kept rows; in bfloat16 also prefill's and mixed forwards' wider ones, at the widths checked to give
-the plain bits.
+On CPU in bfloat16 every forward runs its Linear layers of up to 64 rows on weights packed once
+(engine/packed.py): decode steps, and prefill's lm_head over the kept rows.
 """
 
 from __future__ import annotations
@@ -28,17 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whale.engine.attention import (decode_allowed, decode_attention, decode_columns, decode_mask,
-                                    prefill_attention, slab_decode_pays)
+from whale.engine.attention import decode_allowed, decode_attention, prefill_attention
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
-from whale.engine.mixed import mixed_forward, mixed_inputs
 from whale.engine.prefill import choice_scores, prefill_inputs, tree_len
 
 if TYPE_CHECKING:  # the engine owns the scheduler that owns this; types only (a real cycle otherwise)
     from whale.engine.hf import HFEngine
-
-SLAB_DECODE_ATTENTION = True  # decode with whale.engine.attention on CPU (sdpa when False)
 
 
 class Forwards:
@@ -48,26 +41,6 @@ class Forwards:
         self.engine = engine
         self.slab = slab
         self.stats = stats
-
-    # ------------------------------------------------------------------ which forward
-
-    def can_mix(self) -> bool:
-        """May this step's decode ride in a prefill forward: the option on, CPU, sdpa (`mixable`
-        then checks the rows)."""
-        return (self.engine.mixed_forwards and SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu"
-                and self.engine.model.config._attn_implementation == "sdpa")
-
-    def mixable(self, decode: list[Seq]) -> bool:
-        """`decode` (the live rows, then the sequences prefilled before the last forward) can decode
-        in it: there are some, none has finished (a first token that was EOS leaves at the next
-        retire; it must not decode again), and the slab decode attention would serve them, as in
-        `decode`."""
-        return (bool(decode) and all(s.finish is None for s in decode)
-                and self.slab_decode(max(s.kv_len for s in decode) + 1))
-
-    def slab_decode(self, width: int) -> bool:
-        """Decode with whale.engine.attention (CPU) over the slab when the live rows use `width` columns."""
-        return SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu" and slab_decode_pays(self.slab.cols, width)
 
     # ------------------------------------------------------------------ the forwards
 
@@ -95,27 +68,6 @@ class Forwards:
                 choice_scores(it, logits[j])
         self.stats["prefill_seconds"] += time.perf_counter() - t0
 
-    def mixed(self, decode: list[Seq], chunk: list[Seq]) -> None:
-        """One packed forward: the decode step of `decode` (slab rows 0..n-1) and the prefill of
-        `chunk` (the rows after them), whatever its padding would have been (engine/mixed.py)."""
-        dev = self.engine.device
-        self.slab.reserve(chunk[-1].row + 1, max(s.kv_len for s in decode) + 1)
-        ids, pos, rows, cols, keep, plan = mixed_inputs(decode, chunk, self.slab.cols, dev)
-        self._count_prefill(chunk, padded=ids.shape[1] - len(decode))  # packed: no padding
-        self.stats["mixed_forwards"] += 1
-        self._count_decode(decode)
-        view = self.slab.view(0, chunk[-1].row + 1, rows, cols, self.slab.cols)
-        t0 = time.perf_counter()
-        with mixed_forward(self.engine.model, plan):
-            logits = self.model_forward(view, input_ids=ids, attention_mask=plan.decode_mask[:1, :, :, :1],
-                                        position_ids=pos, logits_to_keep=keep)
-        for s in decode:
-            s.kv_len += 1
-        for s in chunk:
-            s.kv_len = len(s.prompt)
-        self._sample(decode + chunk, logits[0])
-        self.stats["prefill_seconds"] += time.perf_counter() - t0  # a mixed forward counts as prefill time
-
     def decode(self, rows: list[Seq]) -> None:
         """One decode step of `rows` (slab rows 0..n-1, in order)."""
         dev = self.engine.device
@@ -126,14 +78,10 @@ class Forwards:
         tokens = torch.tensor([[s.next_token()] for s in rows], device=dev)
         self._count_decode(rows)
         cols = kv.unsqueeze(-1).to(dev)
+        mask = self._mask(decode_allowed(kv, width).to(dev))  # its live columns (the longest row's)
+        view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
         t0 = time.perf_counter()
-        with decode_attention(self.engine.model, enabled=self.slab_decode(width)) as slab:
-            if slab:  # engine/attention.py: which columns it reads, under which mask
-                width = decode_columns(kv, self.slab.cols)
-                mask = decode_mask(kv, width).to(dev)
-            else:
-                mask = self._mask(decode_allowed(kv, width).to(dev))
-            view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
+        with decode_attention(self.engine.model, enabled=dev.type == "cpu"):  # engine/attention.py
             logits = self.model_forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
         for s in rows:
             s.kv_len += 1

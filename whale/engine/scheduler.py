@@ -5,9 +5,7 @@ Requests arrive as jobs from any thread (`enqueue`); each iteration of the threa
    and prefills them, sampling each one's first token;
 2. scores every waiting `choices` request together, across episodes;
 3. runs one decode step of every live row. A row that finishes leaves at once (the last row moves
-   into its place) and its request's future resolves when its last sample is done. On CPU, when
-   sequences joined at this step, that decode step runs inside their last prefill forward (one
-   packed forward, engine/mixed.py): the weights are streamed once for both.
+   into its place) and its request's future resolves when its last sample is done.
 So an episode's next call joins the running batch at the next step instead of waiting for a whole
 static batch to drain.
 
@@ -20,9 +18,8 @@ prompt and completion, finds them). The longest shared prefix, up to all but the
 for a few tokens: two questions that begin alike are computed together); a sequence left with
 only its last prompt token to feed is a decode row already and joins the next decode step without
 a forward of its own. Prefill forwards group sequences of similar length (a small DP over padding
-plus a per-forward cost), so one long prompt does not pad thirty short ones; the forward that also
-runs the step's decode (mixed, below) costs nothing of its own and pads only its attention, which
-the plan counts. Any weight change clears the prefix cache:
+plus a per-forward cost), so one long prompt does not pad thirty short ones. Any weight change
+clears the prefix cache:
 `paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
 checked before each prefill, catches an in-place optimizer step nobody announced.
 
@@ -76,7 +73,7 @@ IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the n
 
 def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
-            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
+            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "step_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
             "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0,
             "slab_fresh_bytes": 0, "slab_fresh_seconds": 0.0}
@@ -266,15 +263,14 @@ class Scheduler:
             if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
                 self._clear_prefix()
                 self.stamp = stamp
-        decoded = False
         if admitted:
-            decoded = self._prefill(admitted, first_row=len(self.rows), mix=self.forwards.can_mix())
+            self._prefill(admitted, first_row=len(self.rows))
             self.rows.extend(sorted(admitted, key=lambda s: s.row))
             self.stats["max_live_rows"] = max(self.stats["max_live_rows"], len(self.rows))
             self._retire()
         if choice_jobs:
             self._score(choice_jobs)
-        if self.rows and not decoded:
+        if self.rows:
             self.forwards.decode(self.rows)
             self._retire()
         stats = self.stats
@@ -318,12 +314,9 @@ class Scheduler:
             best = (None, entry, n)
         return best if best[2] >= MIN_SHARED else (None, None, 0)
 
-    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int, mix: bool = False) -> bool:
-        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring).
-        With `mix`, the last forward also runs the decode step of every row below its own (the live
-        rows and the sequences prefilled before it): returns whether it did, i.e. the step's decode
-        is done."""
-        pending, done, row, decoded = list(items), [], first_row, False
+    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int) -> None:
+        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring)."""
+        pending, done, row = list(items), [], first_row
         while pending:
             this_round: list[tuple[Any, tuple]] = []
             later = []
@@ -342,10 +335,8 @@ class Scheduler:
             ready, rest = [], []
             for x in this_round:
                 (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
-            # the last forward will ride the step's decode if there are rows to decode by then
-            mixing = mix and not later and bool(rest) and bool(self.rows or done or ready)
-            chunks = ([ready] if ready else []) + self._chunks(rest, mixing)
-            for i, chunk in enumerate(chunks):
+            chunks = ([ready] if ready else []) + self._chunks(rest)
+            for chunk in chunks:
                 for item, source in chunk:
                     item.row, row = row, row + 1
                 self.slab.reserve(row, max(len(it.prompt) + tree_len(it) + 1 for it, _ in chunk))
@@ -363,21 +354,17 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
-                elif mix and not later and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
-                    self.forwards.mixed(self.rows + done, [item for item, _ in chunk])  # done: rows in order
-                    decoded = True
                 else:
                     self.forwards.prefill([item for item, _ in chunk])
                 done.extend(item for item, _ in chunk)
             pending = later
-        return decoded
 
-    def _chunks(self, items: list[tuple[Any, tuple]], last_mixed: bool = False) -> list[list[tuple[Any, tuple]]]:
-        """Split `items` (sorted longest first) into forwards within the token and logits budgets;
-        `last_mixed`: the last one is a mixed forward (engine/prefill.py `plan_chunks`)."""
+    def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
+        """Split `items` (sorted longest first) into forwards within the token and logits budgets
+        (engine/prefill.py `plan_chunks`)."""
         spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
                             [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
-                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS, last_mixed)
+                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
         return [items[i:j] for i, j in spans]
 
     # ------------------------------------------------------------------ choices
