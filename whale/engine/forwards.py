@@ -3,8 +3,9 @@
 Why apart from the scheduler: engine/scheduler.py decides WHAT runs at each step (admission,
 prefix sources, prefill rounds, retirement); `Forwards` runs it. It builds each forward's inputs
 over the KV slab, calls the model, draws every row's token from that row's own uniform and counts
-the work in the scheduler's `stats`. It holds nothing of its own beyond references to the
-engine, the slab and the stats, so the scheduler's state stays in one place.
+the work in the scheduler's `stats`. It holds nothing of its own beyond references to its
+`ModelHost` (what it needs of the engine, declared below), the slab and the stats, so the
+scheduler's state stays in one place.
 
 Two forwards:
 - `prefill`: the prompt suffixes (and choice trees) of consecutive slab rows, padded to the
@@ -21,24 +22,40 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from whale.engine.adapted import AdaptedLinears
 from whale.engine.attention import decode_allowed, decode_attention, prefill_attention
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
+from whale.engine.packed import PackedLinears
 from whale.engine.prefill import choice_scores, prefill_inputs, tree_len
 
-if TYPE_CHECKING:  # the engine owns the scheduler that owns this; types only (a real cycle otherwise)
-    from whale.engine.hf import HFEngine
+
+class ModelHost(Protocol):
+    """What the forwards need of the engine that owns them (engine/hf.py's HFEngine): the model
+    served now (it changes with `load_weights`) and how to call it, the token ids that end a
+    sample, and its stop strings. Read at every forward, never written."""
+
+    model: Any  # a transformers causal LM, possibly peft-wrapped
+    cache_kwarg: str  # the forward argument that takes the KV cache
+    device: torch.device
+    dtype: torch.dtype
+    pad_id: int
+    eos_ids: set[int]
+    packed_linears: PackedLinears | None
+    adapted_linears: AdaptedLinears | None
+
+    def hit_stop(self, ids: list[int], stop: list[str], window: int) -> bool: ...
 
 
 class Forwards:
     """The forwards of the scheduler's thread (the only thread that runs the model)."""
 
-    def __init__(self, engine: "HFEngine", slab: KVSlab, stats: dict[str, float]):
-        self.engine = engine
+    def __init__(self, host: ModelHost, slab: KVSlab, stats: dict[str, float]):
+        self.host = host
         self.slab = slab
         self.stats = stats
 
@@ -46,16 +63,16 @@ class Forwards:
 
     def prefill(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
         """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
-        dev = self.engine.device
+        dev = self.host.device
         m = len(chunk)
-        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.engine.pad_id)
+        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.host.pad_id)
         width, cols_needed = ids.shape[1], mask.shape[-1]
         self._count_prefill(chunk, padded=m * width)
         first = chunk[0].row
         rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
         view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
         t0 = time.perf_counter()
-        with prefill_attention(self.engine.model, enabled=dev.type == "cpu"):
+        with prefill_attention(self.host.model, enabled=dev.type == "cpu"):
             logits = self.model_forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
                                         position_ids=pos.to(dev), logits_to_keep=keep)
         seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]
@@ -70,7 +87,7 @@ class Forwards:
 
     def decode(self, rows: list[Seq]) -> None:
         """One decode step of `rows` (slab rows 0..n-1, in order)."""
-        dev = self.engine.device
+        dev = self.host.device
         n = len(rows)
         kv = torch.tensor([s.kv_len for s in rows])
         width = int(kv.max()) + 1
@@ -81,7 +98,7 @@ class Forwards:
         mask = self._mask(decode_allowed(kv, width).to(dev))  # its live columns (the longest row's)
         view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
         t0 = time.perf_counter()
-        with decode_attention(self.engine.model, enabled=dev.type == "cpu"):  # engine/attention.py
+        with decode_attention(self.host.model, enabled=dev.type == "cpu"):  # engine/attention.py
             logits = self.model_forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
         for s in rows:
             s.kv_len += 1
@@ -90,16 +107,16 @@ class Forwards:
 
     def model_forward(self, cache, **kwargs) -> torch.Tensor:
         """The model's logits for one forward over `cache` (a slab view), in eval mode."""
-        model = self.engine.model
+        model = self.host.model
         training = model.training
         if training:  # the trainer may have left it in train mode: sample without dropout
             model.eval()
-        packed = self.engine.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
-        adapted = self.engine.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
+        packed = self.host.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
+        adapted = self.host.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
         try:
             with (packed.installed(model) if packed is not None else nullcontext(),
                   adapted.installed(model) if adapted is not None else nullcontext()):
-                out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)
+                out = model(use_cache=True, return_dict=True, **{self.host.cache_kwarg: cache}, **kwargs)
         finally:
             if training:
                 model.train()
@@ -109,21 +126,21 @@ class Forwards:
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """The 4D mask as the attention implementation wants it: bool for sdpa, additive otherwise."""
-        if self.engine.model.config._attn_implementation == "sdpa":
+        if self.host.model.config._attn_implementation == "sdpa":
             return allowed
-        dtype = self.engine.dtype
+        dtype = self.host.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
         tokens = sample_rows(seqs, logits)
-        eos = self.engine.eos_ids
+        eos = self.host.eos_ids
         for s, tok in zip(seqs, tokens):
             s.ids.append(tok)
             if tok in eos:
                 s.finish = "stop"
-            elif s.job.stop and self.engine.hit_stop(s.ids, s.job.stop, s.stop_window):
+            elif s.job.stop and self.host.hit_stop(s.ids, s.job.stop, s.stop_window):
                 s.finish = "stop"
             elif len(s.ids) >= s.job.max_new:
                 s.finish = "length"

@@ -229,7 +229,7 @@ class HFEngine:
     def lockstep(self, clients: int, hold_s: float = 1.0) -> Lockstep:
         """Schedule the calls of `clients` episode slots in lockstep (engine/lockstep.py): the batches,
         and so the samples, follow from the episodes alone, whatever the timing."""
-        return Lockstep(self, clients, hold_s)
+        return Lockstep(self.scheduler, self.make_job, clients, hold_s)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         """Submit all, wait all (enqueued together, so the first prefill sees every request)."""

@@ -47,21 +47,19 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from whale.engine.forwards import Forwards
-from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, fail_job, resolve_job,
+from whale.engine.base import Generation, draw_choices
+from whale.engine.forwards import Forwards, ModelHost
+from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, fail_job, resolve_job,
                                shared_with_live, start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
 from whale.engine.prefill import plan_chunks, prompt_cols, suffix_len, tree_len
 from whale.sysmem import release_free_memory
-
-if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
-    from whale.engine.hf import HFEngine
 
 MIN_SHARED = 16  # a prefix shorter than this is recomputed rather than waited for
 PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
@@ -69,6 +67,21 @@ FORWARD_TOKENS = 32  # a forward's fixed cost (weights read, Python) in tokens o
 CHOICE_ROW_TOKENS = 1024  # choice tokens per row of a scoring forward (more choices: more rows)
 CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (256 MiB)
 IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
+
+
+class SchedulerHost(ModelHost, Protocol):
+    """What the scheduler needs of the engine that owns it (engine/hf.py's HFEngine), beyond its
+    forwards' `ModelHost`: the batch's width, the vocabulary (a scoring forward's logits), the
+    engine thread's OpenMP count, and how a finished sample or a drawn choice becomes the
+    `Generation` its caller gets (the tokenizer is the engine's)."""
+
+    max_batch_size: int
+    vocab_size: int
+    cpu_threads: int | None
+
+    def finish_generation(self, s: Seq) -> Generation: ...
+
+    def choice_generation(self, job: Job, pick: int) -> Generation: ...
 
 
 def _new_stats() -> dict[str, float]:
@@ -80,11 +93,11 @@ def _new_stats() -> dict[str, float]:
 
 
 class Scheduler:
-    """Continuous batching over `engine.model`; see the module docstring."""
+    """Continuous batching over `host.model`; see the module docstring."""
 
-    def __init__(self, engine: "HFEngine", prefix_cache_bytes: int):
-        self.engine = engine
-        self.slab = KVSlab(engine.model.config.get_text_config().num_hidden_layers, engine.device)
+    def __init__(self, host: SchedulerHost, prefix_cache_bytes: int):
+        self.host = host
+        self.slab = KVSlab(host.model.config.get_text_config().num_hidden_layers, host.device)
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.rows: list[Seq] = []  # live sequences; rows[i] is in slab row i
         self.waiting: list[Seq] = []
@@ -98,7 +111,7 @@ class Scheduler:
         self.gates: list[Lockstep] = []  # open locksteps (engine/lockstep.py)
         self.step_no = 0  # the engine's clock under a lockstep: one per step, jumps over idle steps
         self.stats = _new_stats()
-        self.forwards = Forwards(engine, self.slab, self.stats)  # runs the model; see engine/forwards.py
+        self.forwards = Forwards(host, self.slab, self.stats)  # runs the model; see engine/forwards.py
 
     # ------------------------------------------------------------------ other threads
 
@@ -134,6 +147,16 @@ class Scheduler:
             uniforms = (1.0 - torch.rand(job.max_new, generator=gen)).tolist()  # in (0, 1]
             out.append(Seq(job, i, job.prompt, prompt_np, uniforms, window))
         return out
+
+    def open_gate(self, gate: Lockstep) -> None:
+        """A lockstep opens: its clients' calls are admitted by its clock from now on (under `cond`)."""
+        with self.cond:
+            self.gates.append(gate)
+
+    def close_gate(self, gate: Lockstep) -> None:
+        with self.cond:
+            if gate in self.gates:
+                self.gates.remove(gate)
 
     @contextmanager
     def paused(self):
@@ -236,7 +259,7 @@ class Scheduler:
         """Waiting sequences for the free rows (FIFO) and all waiting choice jobs; drops cancelled ones."""
         if self.pauses:
             return [], []
-        free = self.engine.max_batch_size - len(self.rows)
+        free = self.host.max_batch_size - len(self.rows)
         if self.gates:  # lockstep: the episodes' order, not their arrival (stable: samples stay in order)
             self.waiting.sort(key=lambda s: -1 if s.job.order is None else s.job.order)
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
@@ -255,11 +278,11 @@ class Scheduler:
         return admitted, choice_jobs
 
     def _step(self, admitted: list[Seq], choice_jobs: list[Job]) -> None:
-        threads = self.engine.cpu_threads
+        threads = self.host.cpu_threads
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # this thread's OpenMP count (it is per thread)
         if admitted or choice_jobs:
-            stamp = weights_stamp(self.engine.model)
+            stamp = weights_stamp(self.host.model)
             if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
                 self._clear_prefix()
                 self.stamp = stamp
@@ -363,7 +386,7 @@ class Scheduler:
         """Split `items` (sorted longest first) into forwards within the token and logits budgets
         (engine/prefill.py `plan_chunks`)."""
         spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
-                            [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
+                            [tree_len(item) + 1 for item, _ in items], self.host.vocab_size,
                             PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
         return [items[i:j] for i, j in spans]
 
@@ -384,7 +407,7 @@ class Scheduler:
                 continue
             scored[key] = job
             job.scores = torch.zeros(len(job.choice_ids))
-            rows += choice_rows(job, max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1)))
+            rows += choice_rows(job, max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.host.vocab_size) - 1)))
         self._prefill(rows, first_row=len(self.rows))
         remembered = set()
         for row in rows:  # the prompt's KV, for the episode's next call (a chess move loop)
@@ -395,8 +418,8 @@ class Scheduler:
             if job.kind == "score":
                 job.results = [job.scores.clone()]
             else:
-                picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
-                job.results = [self.engine.choice_generation(job, c) for c in picks]
+                picks = draw_choices(job.scores.tolist(), job.seeds, job.sampling.temperature)
+                job.results = [self.host.choice_generation(job, c) for c in picks]
             resolve_job(job)
 
     def _retire(self) -> None:
@@ -407,7 +430,7 @@ class Scheduler:
             if s.finish is not None:
                 fed = s.prompt + s.ids[:-1]
                 self._remember(np.asarray(fed, dtype=np.int64), row, s.kv_len)
-                s.job.results[s.index] = self.engine.finish_generation(s)
+                s.job.results[s.index] = self.host.finish_generation(s)
                 s.job.remaining -= 1
                 if s.job.remaining == 0:
                     resolve_job(s.job)

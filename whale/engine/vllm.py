@@ -57,8 +57,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams, wait_all, weights_kind
-from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
+from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, draw_choices, wait_all,
+                               weights_kind)
+from whale.engine.openai import HTTPFailure, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
 from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, server_cli_args
