@@ -242,13 +242,13 @@ class HarnessSearch:
         ctx = ProposalContext(iteration=it, weights_version=version, incoming_id=incoming, brief=brief,
                               prompt_only=prompt_only, base_source=base if prompt_only else None, tag=tag,
                               seed=self.cfg.seed)
-        name = getattr(self.proposer, "name", type(self.proposer).__name__)
+        name = self.proposer.name
         try:
             proposals = self.proposer.propose(self.archive, self.domain, m, self.workspace_root / tag, ctx)
-            error = getattr(self.proposer, "last_error", None)
+            error = self.proposer.last_error
         except Exception as e:  # noqa: BLE001 - a proposer bug must not end the run
             proposals, error = [], f"proposer raised {type(e).__name__}: {e}"
-        usage = dict(getattr(self.proposer, "last_usage", {}) or {})
+        usage = dict(self.proposer.last_usage)
         round_info = {"tag": tag, "phase": self._state["phase"], "iteration": it, "weights_version": version,
                       "incoming_id": incoming, "proposer": name, "error": error, "usage": usage, "ids": []}
         if not proposals:

@@ -39,8 +39,10 @@ class ProposalContext:
 
 class Proposer(Protocol):
     """Writes up to `n` candidates. A failure (crash, timeout, nothing written, endpoint down)
-    never raises: `propose` returns what it has (maybe []) and says why in `last_error`."""
+    never raises: `propose` returns what it has (maybe []) and says why in `last_error`; its cost
+    (seconds, tokens, ...) is in `last_usage`. Both are reset by every `propose`."""
 
+    name: str  # recorded with every round and candidate ("mutation", "chat", "agent_cli")
     last_error: str | None
     last_usage: dict[str, float]
 
