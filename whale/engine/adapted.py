@@ -17,14 +17,17 @@ bias, dropout off as in eval):
     y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded to bf16 once)
 
 The joined GEMM goes through the engine's bf16 packs at decode widths where this CPU has them
-(engine/packed.py). The update is
-accumulated in float32 next to the base product inside the GEMM and the output is rounded once;
+(engine/packed.py). The update is accumulated in float32 next to the base product inside the GEMM
+and the output is rounded once;
 peft rounds the base product to bf16, adds the float32 update, and rounds again. Against a
 float64 reference this is the more accurate of the two (mean error 0.29-0.34 of an output's
 typical bf16 ulp, max 2.1-4.1, against peft's 0.38-0.40 and 3.5-7.1, for updates 3% and 26-28%
 of the output's size). Per layer 1.6-2.0x the base GEMMs: 1.2-1.3x faster than peft's at 1-8 rows,
 1.5x at 64, 1.8-1.9x at 256, 3.6-3.9x at 1,024; search-QA replays with an r = 16 adapter 1.21x
-[1.04, 1.41] faster (benchmarks/lora_generation.py). It is not peft's bits, so adapted samples
+[1.04, 1.41] faster (benchmarks/lora_generation.py) and `whale demo` 1.07x [1.04, 1.10]
+(2026-12-06, the 2-core AMX Xeon; measured when packs also served prefill widths and the rank-r
+product ran on MKL's packed float32 GEMM, both since removed for showing no whole-run effect of
+their own; docs/throughput.md). It is not peft's bits, so adapted samples
 change by rounding as they do between batch shapes in bf16 (docs/design.md); the trainer keeps
 peft's layers and arithmetic.
 

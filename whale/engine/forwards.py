@@ -111,7 +111,7 @@ class Forwards:
         training = model.training
         if training:  # the trainer may have left it in train mode: sample without dropout
             model.eval()
-        packed = self.host.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
+        packed = self.host.packed_linears  # CPU, bfloat16: engine/packed.py
         adapted = self.host.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
         try:
             with (packed.installed(model) if packed is not None else nullcontext(),
