@@ -10,8 +10,7 @@ also merge more arrivals into each prefill forward.
 Per workload, in ONE process: the runner records its calls once at the config's width; then per
 repeat, alternating, for each width: the runner end to end (episodes/s) and the raw engine
 replaying exactly the recorded calls chained (`concurrency` = width episodes at once; generated
-tokens/s), and the 1c4ff05 engine on the same calls in waves at each `--legacy-widths` (its
-static batches: wider is slower for it). Ratios are per repeat.
+tokens/s). Ratios are per repeat, against the first width.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_width.py --workload searchqa --problems 32 --k 4 --widths 32,64,128
 """
@@ -32,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from legacy import legacy_engine  # noqa: E402
-from replay import Recorder, delta, episodes_of, fresh, generated, replay_chained, replay_waves  # noqa: E402
+from replay import Recorder, delta, episodes_of, fresh, generated, replay_chained  # noqa: E402
 from workloads import WORKLOADS, load_workload  # noqa: E402
 from whale.harness.runner import RolloutRunner  # noqa: E402
 
@@ -52,14 +50,9 @@ def run_workload(name: str, args) -> dict:
     recorder.requests = []
     runners[args.widths[0]].run(harness, problems, samples=args.k, seed=0)
     episodes = episodes_of(recorder.requests, problems, args.k, 0, base.domain.budget.llm_calls)
-    legacy = {w: legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device), max_batch_size=w,
-                               max_model_len=engine.max_model_len) for w in args.legacy_widths}
     repeats = []
     for rep in range(args.repeat):
-        row: dict = {"legacy": {}, "widths": {}}
-        for w, old in legacy.items():
-            seconds, gens = replay_waves(old, episodes, sampling)
-            row["legacy"][w] = {"seconds": seconds, "tok_s": generated(gens) / seconds}
+        row: dict = {"widths": {}}
         for w in args.widths:
             engine.max_batch_size = w
             fresh(engine)
@@ -76,23 +69,20 @@ def run_workload(name: str, args) -> dict:
                 "mean_live_rows": st["decode_tokens"] / max(1, st["decode_steps"]),
                 "slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
             }
-        best_legacy = max(v["tok_s"] for v in row["legacy"].values())
+        first = row["widths"][args.widths[0]]
         for w, v in row["widths"].items():
-            v["over_best_legacy"] = v["raw_tok_s"] / best_legacy
+            v["raw_over_first_width"] = v["raw_tok_s"] / first["raw_tok_s"]
             v["runner_over_first_width"] = v["runner_eps"] / row["widths"][args.widths[0]]["runner_eps"]
         repeats.append(row)
-        print(f"[{name} {rep}] legacy " + ", ".join(f"w{w} {v['tok_s']:.1f} tok/s" for w, v in row["legacy"].items())
-              + " | " + " | ".join(f"w{w}: runner {v['runner_eps']:.2f} ep/s ({v['runner_over_first_width']:.2f}x), raw "
-                                   f"{v['raw_tok_s']:.1f} tok/s = {v['over_best_legacy']:.2f}x best legacy, prefill "
+        print(f"[{name} {rep}] " + " | ".join(f"w{w}: runner {v['runner_eps']:.2f} ep/s ({v['runner_over_first_width']:.2f}x), raw "
+                                   f"{v['raw_tok_s']:.1f} tok/s ({v['raw_over_first_width']:.2f}x), prefill "
                                    f"{v['prefill_s']:.1f} s in {v['prefill_forwards']} forwards, decode {v['decode_s']:.1f} s "
                                    f"at {v['mean_live_rows']:.1f} rows" for w, v in row["widths"].items()), flush=True)
     for r in runners.values():
         r.close()
-    for old in legacy.values():
-        old.close()
     engine.close()
     summary = {w: {"runner_over_first_width": statistics.fmean(r["widths"][w]["runner_over_first_width"] for r in repeats),
-                   "raw_over_best_legacy": statistics.fmean(r["widths"][w]["over_best_legacy"] for r in repeats),
+                   "raw_over_first_width": statistics.fmean(r["widths"][w]["raw_over_first_width"] for r in repeats),
                    "slab_peak_mib": repeats[0]["widths"][w]["slab_peak_mib"]} for w in args.widths}
     return {"workload": name, "repeats": repeats, "summary": summary}
 
@@ -103,8 +93,6 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=32)
     ap.add_argument("--k", type=int, default=4, help="samples per problem")
     ap.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[32, 64, 128])
-    ap.add_argument("--legacy-widths", type=lambda s: [int(x) for x in s.split(",")], default=[32, 64],
-                    help="static batch sizes for the 1c4ff05 engine (32 was its default)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
@@ -116,7 +104,7 @@ def main() -> None:
     for r in results:
         for w, s in r["summary"].items():
             print(f"{r['workload']:9s} width {w:4d}: runner {s['runner_over_first_width']:.2f}x width "
-                  f"{args.widths[0]} | raw engine {s['raw_over_best_legacy']:.2f}x the best 1c4ff05 width | "
+                  f"{args.widths[0]} | raw engine {s['raw_over_first_width']:.2f}x | "
                   f"slab peak {s['slab_peak_mib']:.0f} MiB")
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_rss_mib": peak, "results": results}, indent=1))

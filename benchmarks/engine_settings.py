@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from whale.engine import attention, packed
-
 
 @contextlib.contextmanager
 def fresh_slab(engine):
@@ -26,7 +24,7 @@ def fresh_slab(engine):
 @contextlib.contextmanager
 def setting(owner, name: str, value):
     """`owner`'s attribute `name` set to `value` inside, restored after: an hf engine's (its thread
-    reads it at every step) or an engine module's switch (read at every forward)."""
+    reads it at every step and forward)."""
     saved = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -51,7 +49,7 @@ def cold_fork_server(runner):
 
 
 def unpacked(engine):
-    """Every Linear on plain sgemm, as before engine/packed.py."""
+    """Every Linear on the plain GEMM, as before engine/packed.py."""
     return setting(engine, "packed_linears", None)
 
 
@@ -69,31 +67,3 @@ def switch_interval(seconds: float):
         yield
     finally:
         sys.setswitchinterval(previous)
-
-
-def unmixed(engine):
-    """No mixed forwards: a join's prefill and the decode step as two forwards (before engine/mixed.py)."""
-    return setting(engine, "mixed_forwards", False)
-
-
-def repeated_kv():
-    """Prefill attention through transformers' sdpa wrapper (each KV head copied per query head it
-    serves, as before engine/attention.py's `slab_prefill_attention`). In bfloat16 that also turns off
-    the math path (measured since eeee176 against both changes together; `flash_prefill` alone)."""
-    return setting(attention, "GROUPED_PREFILL", False)
-
-
-def narrow_packs():
-    """bfloat16 packs up to packed.MAX_ROWS rows only (before the checked wide widths)."""
-    return setting(packed, "WIDE_MAX_ROWS", packed.MAX_ROWS)
-
-
-def matmul_decode():
-    """Decode attention as two matmuls over the slab's whole contiguous block (before sdpa's kernel
-    over the live columns, engine/attention.py)."""
-    return setting(attention, "SDPA_DECODE", False)
-
-
-def flash_prefill():
-    """bfloat16 prefill attention in sdpa's kernel (before engine/attention.py's math path)."""
-    return setting(attention, "MATH_PREFILL", False)

@@ -32,7 +32,6 @@ from engine_settings import setting  # noqa: E402
 from replay import Recorder, episodes_of, fresh, generated, replay_chained  # noqa: E402
 from workloads import load_workload, ratio_interval  # noqa: E402
 
-from whale.engine import adapted  # noqa: E402
 from whale.harness.runner import RolloutRunner  # noqa: E402
 from whale.weights.trainer import wrap_lora  # noqa: E402
 
@@ -69,7 +68,7 @@ def main() -> None:
     print(f"adapter: r={cfg.weight.lora.r} alpha={cfg.weight.lora.alpha} on {cfg.weight.lora.target_modules}, "
           f"B ~ N(0, {args.b_std}); torch threads {torch.get_num_threads()}, OMP_NUM_THREADS "
           f"{os.environ.get('OMP_NUM_THREADS')}", flush=True)
-    ways = {"joined": contextlib.nullcontext, "peft": lambda: setting(adapted, "FUSED_LORA", False),
+    ways = {"joined": contextlib.nullcontext, "peft": lambda: setting(engine, "adapted_linears", None),
             "base": peft_model.disable_adapter}
     replay_chained(engine, calls[0], wl.sampling, args.concurrency)  # warm-up: joined weights, packs, slab
     rows = []

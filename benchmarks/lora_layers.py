@@ -3,7 +3,7 @@ engine/adapted.py, both against the base layer's packed GEMMs, side by side in o
 
   base    the seven packed bf16 GEMMs (SmolLM2-135M's shapes), no adapter
   peft    peft's LoRA Linear forward on them (base GEMM, float32 rank-r GEMMs, scale, add, cast)
-  joined  AdaptedLinears: a = x A^T, y = [x | a] [W | s B]^T, both through the packs
+  joined  AdaptedLinears: a = x A^T, y = [x | a] [W | s B]^T (the joined GEMM packed up to 64 rows)
 
 Prints ms per layer at several row counts, the ratios to base, and each path's error against a
 float64 reference in units of an output's typical bf16 ulp (2^-8 x the row's rms), for an update
@@ -56,12 +56,12 @@ def error(outs, exact) -> str:
 
 
 def main() -> None:
-    if not packed.available(torch.bfloat16):
+    if not packed.available():
         raise SystemExit("this torch's oneDNN does no bf16 on this CPU")
     torch.manual_seed(0)
     model = get_peft_model(Layer().to(torch.bfloat16), LoraConfig(r=16, lora_alpha=32, target_modules=list(SHAPES)))
     model.eval()
-    packs, base_packs = PackedLinears(torch.bfloat16), PackedLinears(torch.bfloat16, min_weight_numel=0)
+    packs, base_packs = PackedLinears(), PackedLinears(min_weight_numel=0)
     joined = AdaptedLinears(torch.bfloat16, packs)
     base_layers = [model.base_model.model.get_submodule(n).base_layer for n in SHAPES]
     print(f"torch threads {torch.get_num_threads()}; r = 16, s = 2, bf16 base, float32 adapter (peft's default)")

@@ -1,15 +1,16 @@
 """Plain GEMMs vs packed weights (whale/engine/packed.py) on the default model's Linear layers.
 
-One decode step's Linear work: the model's own Linear layers (lm_head included) in `--dtype`
-(float32: MKL's packed sgemm; bfloat16: oneDNN's packed weights) called in order on M rows, so each
-weight comes from memory as in a real step; plain `F.linear` and the packed GEMM alternate
+One decode step's Linear work: the model's own Linear layers (lm_head included) in bfloat16
+(oneDNN's packed weights) called in order on M rows, so each weight comes from memory as in a real
+step; plain `F.linear` and the packed GEMM alternate
 `--repeat` times, best of each. Also says, per M, whether the two give the same bits (every layer)
 and whether a row's packed bits are those it gets among 256 more rows (lm_head).
 
-    OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py [--dtype bfloat16]
+    OMP_NUM_THREADS=1 python benchmarks/packed_gemm.py
 
 `--bits-scan` instead compares packed and plain bits, one weight of each shape, at every width
-1-129 and every 8th up to 1096: where the packs could serve beyond MAX_ROWS without changing ids.
+1-129 and every 8th up to 1096: where the packs could serve beyond MAX_ROWS without changing ids
+(whole replays showed no effect from packs past 64 rows, so the engine stops there).
 """
 
 from __future__ import annotations
@@ -37,14 +38,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32,48,64,128,256")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--bits-scan", action="store_true")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    if not packed.available(dtype):
-        raise SystemExit(f"this torch cannot pack {args.dtype} weights (packed.available() is False)")
-    pack, matmul = ((packed.pack_weight, packed.packed_matmul) if dtype == torch.float32
-                    else (packed.pack_bfloat16_weight, packed.bfloat16_packed_matmul))
+    dtype = torch.bfloat16
+    if not packed.available():
+        raise SystemExit("this torch cannot pack bfloat16 weights on this CPU (packed.available() is False)")
+    pack = packed.pack_weight
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=dtype)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -54,13 +53,13 @@ def main() -> None:
     grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     weights = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) / 2**20
     kept_plain = sum(pk is None for pk in packs)
-    print(f"torch threads {torch.get_num_threads()}; {len(linears)} {args.dtype} Linear weights, {weights:.0f} MiB; "
+    print(f"torch threads {torch.get_num_threads()}; {len(linears)} bfloat16 Linear weights, {weights:.0f} MiB; "
           f"packing them took {pack_s:.2f} s and grew peak RSS by {grew:.0f} MiB; {kept_plain} kept plain "
           f"(their packs would change bits)")
     if kept_plain:
         raise SystemExit("some weights could not be packed with the plain bits; the timing would mix paths")
     if args.bits_scan:
-        bits_scan(linears, packs, matmul, dtype)
+        bits_scan(linears, packs, dtype)
         return
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -74,25 +73,25 @@ def main() -> None:
 
             def with_packs():
                 for lin, pk in zip(linears, packs):
-                    matmul(inputs[lin.in_features], pk, lin.out_features)
+                    packed.packed_matmul(inputs[lin.in_features], pk)
 
             t_plain, t_packed = float("inf"), float("inf")
             for _ in range(args.repeat):
                 t_plain = min(t_plain, best_time(plain, 1))
                 t_packed = min(t_packed, best_time(with_packs, 1))
             same_bits = all(torch.equal(torch.nn.functional.linear(inputs[lin.in_features], lin.weight),
-                                        matmul(inputs[lin.in_features], pk, lin.out_features))
+                                        packed.packed_matmul(inputs[lin.in_features], pk))
                             for lin, pk in zip(linears, packs))
             lin, pk = linears[-1], packs[-1]
             x = inputs[lin.in_features]
             wide = torch.cat([x, torch.randn(256, lin.in_features, generator=gen).to(dtype)])
-            invariant = torch.equal(matmul(x, pk, lin.out_features), matmul(wide, pk, lin.out_features)[:m])
+            invariant = torch.equal(packed.packed_matmul(x, pk), packed.packed_matmul(wide, pk)[:m])
             print(f"M={m:4d}  plain {t_plain * 1e3:7.1f} ms ({flops / t_plain / 1e9:5.1f} GFLOP/s)  packed "
                   f"{t_packed * 1e3:7.1f} ms ({flops / t_packed / 1e9:5.1f})  plain/packed {t_plain / t_packed:.2f}  "
                   f"same bits as plain: {same_bits}  rows' bits as in 256 more: {invariant}", flush=True)
 
 
-def bits_scan(linears, packs, matmul, dtype) -> None:
+def bits_scan(linears, packs, dtype) -> None:
     """Widths at which a packed product's bits differ from plain `F.linear`'s, per weight shape."""
     one_per_shape = {}
     for lin, pk in zip(linears, packs):
@@ -102,7 +101,7 @@ def bits_scan(linears, packs, matmul, dtype) -> None:
     with torch.no_grad():
         for shape, (lin, pk) in one_per_shape.items():
             differ = [m for m in widths
-                      if not torch.equal(matmul(x := torch.randn(m, shape[1], generator=gen).to(dtype), pk, shape[0]),
+                      if not torch.equal(packed.packed_matmul(x := torch.randn(m, shape[1], generator=gen).to(dtype), pk),
                                          torch.nn.functional.linear(x, lin.weight))]
             print(f"weight {shape[0]}x{shape[1]}: {len(widths)} widths, packed bits differ from plain at "
                   f"{len(differ)}: {differ}", flush=True)

@@ -6,22 +6,10 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
   raw     the same engine replaying exactly the runner's recorded calls, each episode's calls in
           order (call i+1 submitted when call i returned), `concurrency` episodes at once, no
           sandbox and no tools: the ceiling the runner can reach
-  unmixed the raw replay with the scheduler's mixed forwards off (a join's prefill and the live
-          rows' decode step as two forwards, as before engine/mixed.py)
-  unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py
-  narrow  the raw replay with bfloat16 packs only up to packed.MAX_ROWS rows (decode), prefill's
-          wider forwards on the plain GEMM, as before the checked wide widths
-  flash   the raw replay with bfloat16 prefill attention in torch's sdpa kernel, as before
-          engine/attention.py's math path
-  matmul  the raw replay with decode attention as two matmuls over the slab's whole block, as
-          before sdpa's kernel over the live columns (engine/attention.py)
-  repeatkv the raw replay with prefill attention through transformers' sdpa wrapper, which copies
-          each KV head per query head it serves, as before engine/attention.py's grouped prefill
+  unpacked the raw replay with every Linear on the plain GEMM, as before engine/packed.py (bf16)
   fresh   the raw replay on a KV slab that starts on fresh memory, as every batch did before the slab
           kept its storage (engine/kv.py): the page faults of its growths, and the same ids
   waves   the same engine on the same calls in waves (every episode's i-th call in one generate)
-  legacy  the engine of commit 1c4ff05 on the same waves: the best its static batches allow
-  before  the runner and engine of commit 1c4ff05, end to end (what `whale eval` did before)
   threads the runner and the raw replay again with the engine's forwards on `--other-threads`
           intra-op threads (default: every usable core) instead of `model.cpu_threads`' default
   switch  the runner again with the GIL switch interval at `--switch-interval` (Python's default 5 ms)
@@ -34,8 +22,7 @@ storage (page faults, ~2 s for 750 MiB here), a one-off cost of an engine's firs
 size that would land on whichever variant met the size first (the runner, always first, in most
 repeats); each variant's line shows the seconds it still spent on new storage.
 
-Reports runner/raw (target >= 0.9), engine tokens/s over the legacy engine's (target >= 3x on
-search QA), prefill tokens computed vs requested, prefill and decode tokens/s against the
+Reports runner/raw (target >= 0.9), prefill tokens computed vs requested, prefill and decode tokens/s against the
 machine's limit (model FLOPs and weight bytes per token, measured matmul GFLOP/s and memory
 bandwidth), and peak memory. `--repeat` alternates the variants; ratios are per repeat.
 
@@ -61,16 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from engine_settings import (cold_fork_server, fresh_slab, flash_prefill, matmul_decode, narrow_packs, on_threads,  # noqa: E402
-                             repeated_kv, switch_interval, unmixed, unpacked)
-from legacy import legacy_engine, legacy_runner  # noqa: E402
+from engine_settings import cold_fork_server, fresh_slab, on_threads, switch_interval, unpacked  # noqa: E402
 from machine import machine_limits  # noqa: E402
 from replay import (Recorder, delta, episodes_of, fresh, generated, replay_chained, replay_waves,  # noqa: E402
                     timed)
 from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
-from whale.engine.base import GenerationRequest  # noqa: E402
 from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
 from whale.harness.runner import RolloutRunner, sampling_from_config  # noqa: E402
 
@@ -105,12 +89,10 @@ def load_workload(name: str, problems: int, overrides: list[str] = ()) -> Worklo
 
 
 
-VARIANTS = ("runner", "raw", "unmixed", "unpacked", "narrow", "flash", "matmul", "repeatkv", "fresh", "waves", "legacy", "lockstep", "threads", "switch", "cold")
-NEEDS = {"raw": {"runner"}, "unmixed": {"runner", "raw"}, "unpacked": {"runner", "raw"}, "narrow": {"runner", "raw"}, "flash": {"runner", "raw"}, "matmul": {"runner", "raw"},
-         "repeatkv": {"runner", "raw"}, "fresh": {"runner", "raw"},
+VARIANTS = ("runner", "raw", "unpacked", "fresh", "waves", "lockstep", "threads", "switch", "cold")
+NEEDS = {"raw": {"runner"}, "unpacked": {"runner", "raw"}, "fresh": {"runner", "raw"},
          "threads": {"runner", "raw"}, "switch": {"runner"}, "cold": {"runner"},
-         "waves": {"runner"},
-         "legacy": {"runner", "waves"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
+         "waves": {"runner"}, "lockstep": set(), "runner": set()}  # what each variant is compared with
 
 
 def chosen_variants(names: str) -> set[str]:
@@ -131,13 +113,9 @@ def run_workload(name, args, limits) -> dict:
         name, args.problems, [*args.overrides, f"runner.concurrency={min(args.concurrency, n_eps)}"])
     cfg_lockstep = cfg.model_copy(deep=True)
     cfg_lockstep.runner.lockstep = "all"
-    old = (legacy_engine(str(engine.path), dtype=engine.dtype, device=str(engine.device),
-                         max_batch_size=engine.max_batch_size, max_model_len=engine.max_model_len)
-           if "legacy" in variants or args.before else None)
     recorder = Recorder(engine)
     runner = RolloutRunner(recorder, domain, cfg)
     runner_lockstep = RolloutRunner(engine, domain, cfg_lockstep) if "lockstep" in variants else None
-    before_runner = legacy_runner(old, domain, cfg) if args.before else None
     # warm-up at full size: fork server, grader pool, kernels, and the KV slab's kept storage (on CPU
     # a batch's first slab faults in fresh pages; every later batch of a run reuses them, engine/kv.py)
     runner.run(harness, problems, samples=args.k, seed=99)
@@ -146,31 +124,25 @@ def run_workload(name, args, limits) -> dict:
             runner.run(harness, problems, samples=args.k, seed=rep)
     if runner_lockstep is not None:
         runner_lockstep.run(harness, problems[:2], seed=99)  # its own grader pool and tool threads
-    if old is not None:
-        old.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=2, seed=0)], sampling)
     rows = []
     for rep in range(args.repeat):
         row = measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine, recorder, runner,
-                             runner_lockstep, old, before_runner)
+                             runner_lockstep)
         rows.append(row)
         print(f"[{name} {rep}] " + describe(row), flush=True)
     runner.close()
     if runner_lockstep is not None:
         runner_lockstep.close()
-    if before_runner is not None:
-        before_runner.close()
     kv = {"slab_peak_mib": engine.stats["slab_peak_bytes"] / 2**20,
           "slab_storage_peak_mib": engine.stats["slab_storage_peak_bytes"] / 2**20,
           "prefix_cache_peak_mib": engine.stats["prefix_peak_bytes"] / 2**20}
     engine.close()
-    if old is not None:
-        old.close()
     return {"workload": name, "variants": sorted(variants), "repeats": rows, "kv": kv,
             "summary": summarize(rows, limits)}
 
 
 def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine, recorder, runner,
-                   runner_lockstep, old, before_runner) -> dict:
+                   runner_lockstep) -> dict:
     """One repeat: the chosen variants in a fixed order on the calls the runner makes with seed `rep`."""
     row: dict = {}
     recorder.requests = []
@@ -212,34 +184,16 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
         return {name: (raw_tok / raw_s) / (generated(gens) / s), name + "_cpu": (cpu / generated(gens)) / (raw_cpu / raw_tok),
                 "same_ids_" + name: same(raw_gens, gens), name + "_s": s, name + "_engine": delta(engine.stats, before)}
 
-    if "unmixed" in variants:
-        row.update(against_raw("mixed_over_unmixed", unmixed(engine)),
-                   mixed_forwards=row["raw_engine"]["mixed_forwards"])
     if "unpacked" in variants and engine.packed_linears is not None:
         row.update(against_raw("packed_over_unpacked", unpacked(engine)))
-    if "narrow" in variants and engine.packed_linears is not None:
-        row.update(against_raw("wide_over_narrow_packs", narrow_packs()))
-    if "flash" in variants:
-        row.update(against_raw("math_over_flash_prefill", flash_prefill()))
-    if "matmul" in variants:
-        row.update(against_raw("sdpa_over_matmul_decode", matmul_decode()))
-    if "repeatkv" in variants:
-        row.update(against_raw("grouped_over_repeated_kv", repeated_kv()))
     if "fresh" in variants:
         row.update(against_raw("kept_over_fresh_slab", fresh_slab(engine)))
     if "waves" in variants:
         fresh(engine)
         waves_s, waves_cpu, waves_gens = timed(replay_waves, engine, episodes, sampling)
         row.update(waves_s=waves_s, waves_cpu_s=waves_cpu, waves_tok_s=generated(waves_gens) / waves_s)
-    if "legacy" in variants:
-        legacy_s, legacy_cpu, legacy_gens = timed(replay_waves, old, episodes, sampling)
-        legacy_tok = generated(legacy_gens)
-        row.update(legacy_s=legacy_s, legacy_cpu_s=legacy_cpu, legacy_tok_s=legacy_tok / legacy_s,
-                   waves_over_legacy=row["waves_tok_s"] / (legacy_tok / legacy_s),
-                   same_ids_as_legacy=same(waves_gens, legacy_gens))
         if "raw" in variants:
-            row.update(raw_over_legacy=(raw_tok / raw_s) / (legacy_tok / legacy_s),
-                       legacy_over_raw_cpu=(legacy_cpu / legacy_tok) / (raw_cpu / raw_tok))
+            row.update(waves_over_raw=row["waves_tok_s"] / (raw_tok / raw_s), same_ids_waves=same(raw_gens, waves_gens))
     if "lockstep" in variants:
         fresh(engine)
         t0 = time.perf_counter()
@@ -262,11 +216,6 @@ def measure_repeat(rep, args, variants, cfg, problems, harness, sampling, engine
             runner.run(harness, problems, samples=args.k, seed=rep)
             switch_s = time.perf_counter() - t0
         row.update(switch_over_runner=runner_s / switch_s, switch_interval=args.switch_interval)
-    if before_runner is not None:
-        t0 = time.perf_counter()
-        before_runner.run(harness, problems, samples=args.k, seed=rep)
-        before_s = time.perf_counter() - t0
-        row.update(before_eps=len(trajs) / before_s, runner_over_before=before_s / runner_s)
     return row
 
 
@@ -279,10 +228,7 @@ def engine_time(name: str, wall: float, stats: dict) -> dict:
             f"{name}_idle_s": wall - stats["step_seconds"], f"{name}_slab_fresh_s": stats["slab_fresh_seconds"]}
 
 
-AGAINST_RAW = (("packed_over_unpacked", "raw packed/unpacked GEMMs"), ("wide_over_narrow_packs", "raw wide/narrow packs"),
-               ("math_over_flash_prefill", "raw math/flash prefill attention"),
-               ("sdpa_over_matmul_decode", "raw sdpa/matmul decode attention"),
-               ("grouped_over_repeated_kv", "raw grouped/repeated-KV prefill attention"),
+AGAINST_RAW = (("packed_over_unpacked", "raw packed/unpacked GEMMs"),
                ("kept_over_fresh_slab", "kept/fresh slab"))  # the raw replay under a setting: key, label
 
 
@@ -298,14 +244,9 @@ def describe(row: dict) -> str:
     if "lockstep_eps" in row:
         parts.append(f"lockstep {row['lockstep_eps']:.2f} ep/s (lockstep/runner {row['lockstep_over_runner']:.2f}, "
                      f"breaks {row['lockstep_breaks']})")
-    if "legacy_tok_s" in row:
-        parts.append(f"tok/s raw {row.get('raw_tok_s', float('nan')):.1f}, waves {row['waves_tok_s']:.1f}, legacy "
-                     f"{row['legacy_tok_s']:.1f} (raw/legacy {row.get('raw_over_legacy', float('nan')):.2f}, waves/legacy "
-                     f"{row['waves_over_legacy']:.2f}; CPU s per token legacy/raw "
-                     f"{row.get('legacy_over_raw_cpu', float('nan')):.2f}); same ids as legacy {row['same_ids_as_legacy']}")
-    if "mixed_over_unmixed" in row:
-        parts.append(f"raw mixed/unmixed {row['mixed_over_unmixed']:.2f} (CPU {row['mixed_over_unmixed_cpu']:.2f}, "
-                     f"{row['mixed_forwards']} mixed forwards, same ids {row['same_ids_mixed_over_unmixed']})")
+    if "waves_over_raw" in row:
+        parts.append(f"tok/s raw {row['raw_tok_s']:.1f}, waves {row['waves_tok_s']:.1f} (waves/raw "
+                     f"{row['waves_over_raw']:.2f}; same ids {row['same_ids_waves']})")
     for key, label in AGAINST_RAW:
         if key in row:
             parts.append(f"{label} {row[key]:.2f} (CPU {row[key + '_cpu']:.2f}, same ids {row['same_ids_' + key]})")
@@ -320,8 +261,6 @@ def describe(row: dict) -> str:
     if "runner_over_cold" in row:
         parts.append(f"runner with a spare fork server / cold: {row['runner_over_cold']:.2f} "
                      f"(cold {row['cold_eps']:.2f} ep/s)")
-    if "runner_over_before" in row:
-        parts.append(f"runner at 1c4ff05 {row['before_eps']:.2f} ep/s (now {row['runner_over_before']:.2f}x)")
     return "; ".join(parts)
 
 
@@ -341,12 +280,9 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float] | None:
     return math.exp(m), math.exp(m - half), math.exp(m + half)
 
 
-RATIOS = ("runner_over_raw", "raw_over_legacy", "waves_over_legacy", "legacy_over_raw_cpu", "lockstep_over_runner",
-          "mixed_over_unmixed", "packed_over_unpacked", "packed_over_unpacked_cpu", "kept_over_fresh_slab",
-          "grouped_over_repeated_kv", "grouped_over_repeated_kv_cpu", "wide_over_narrow_packs",
-          "wide_over_narrow_packs_cpu", "math_over_flash_prefill", "math_over_flash_prefill_cpu",
-          "sdpa_over_matmul_decode", "sdpa_over_matmul_decode_cpu",
-          "runner_over_before", "runner_over_threads", "raw_over_threads", "switch_over_runner", "runner_over_cold")
+RATIOS = ("runner_over_raw", "waves_over_raw", "lockstep_over_runner", "packed_over_unpacked",
+          "packed_over_unpacked_cpu", "kept_over_fresh_slab", "runner_over_threads", "raw_over_threads",
+          "switch_over_runner", "runner_over_cold")
 
 
 def summarize(rows, limits) -> dict:
@@ -378,15 +314,8 @@ def summary_line(r: dict) -> str:
         return f"{label} {s[key]:.2f}{unit}" + (f" (geo-mean {ci[0]:.2f}, 95% CI {ci[1]:.2f}-{ci[2]:.2f})" if ci else "")
 
     parts = [ratio("runner_over_raw", "runner/raw"), ratio("lockstep_over_runner", "lockstep/runner"),
-             ratio("mixed_over_unmixed", "mixed/unmixed forwards"), ratio("packed_over_unpacked", "packed/unpacked GEMMs"),
-             ratio("kept_over_fresh_slab", "kept/fresh slab"),
-             ratio("grouped_over_repeated_kv", "grouped/repeated-KV prefill attention"),
-             ratio("wide_over_narrow_packs", "wide/narrow bf16 packs"),
-             ratio("math_over_flash_prefill", "math/flash bf16 prefill attention"),
-             ratio("sdpa_over_matmul_decode", "sdpa/matmul decode attention"),
-             ratio("raw_over_legacy", "engine tok/s vs 1c4ff05: chained", "x"),
-             ratio("waves_over_legacy", "waves", "x"), ratio("legacy_over_raw_cpu", "CPU s/token", "x"),
-             ratio("runner_over_before", "runner vs 1c4ff05 runner", "x"),
+             ratio("packed_over_unpacked", "packed/unpacked GEMMs"), ratio("kept_over_fresh_slab", "kept/fresh slab"),
+             ratio("waves_over_raw", "engine tok/s in waves / chained", "x"),
              ratio("runner_over_threads", "runner, default vs other engine threads", "x"),
              ratio("raw_over_threads", "raw, default vs other engine threads", "x"),
              ratio("switch_over_runner", "runner, short GIL switch interval vs default", "x"),
@@ -407,7 +336,6 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="write all numbers here")
-    ap.add_argument("--before", action="store_true", help="also run the 1c4ff05 runner + engine end to end")
     ap.add_argument("--other-threads", type=int, default=usable_cores(),
                     help="the `threads` variant's engine threads (default: every usable core)")
     ap.add_argument("--no-prime", dest="prime", action="store_false",
@@ -419,7 +347,7 @@ def main() -> None:
                     help="a config override for every workload, e.g. model.dtype=float32 (repeatable)")
     ap.add_argument("--variants", default="all",
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (with what each is compared with), "
-                         "e.g. raw,legacy for more repeats of the engine ratio in the same time")
+                         "e.g. runner,raw for more repeats of runner/raw in the same time")
     args = ap.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"torch threads {torch.get_num_threads()} (main thread; the engine's own: model.cpu_threads), usable "
@@ -427,11 +355,11 @@ def main() -> None:
     main_threads = torch.get_num_threads()
     torch.set_num_threads(engine_cpu_threads(None))  # the limits of the engine's cores, not the process's
     limits = machine_limits()
-    torch.set_num_threads(main_threads)  # the legacy engine runs here, on the process's count as at 1c4ff05
+    torch.set_num_threads(main_threads)
     print(f"machine: {limits['summary']}", flush=True)
     results = [run_workload(n, args, limits) for n in names]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\npeak RSS {peak:.0f} MiB (both engines and the runner), load now {os.getloadavg()[0]:.1f}")
+    print(f"\npeak RSS {peak:.0f} MiB (the engine and the runner), load now {os.getloadavg()[0]:.1f}")
     for r in results:
         print(summary_line(r))
     if args.json:

@@ -111,6 +111,11 @@ def test_a_retired_key_loads_from_an_old_run_and_is_an_error_when_set():
     assert nested["runner"]["sandbox"]["output_bytes"] == 1_000_000  # the caller's tree is left as it was
     with pytest.raises(ConfigError, match="'runner.sandbox.output_bytes' was removed: it was never read"):
         load_config(None, ["runner.sandbox.output_bytes=10"])
+    engine = {"model": {"name": "x", "mixed_forwards": True, "packed_gemm": True}}  # removed 2026-12-06
+    assert config_from_dict(engine).model.name == "x"
+    for key in ("mixed_forwards", "packed_gemm"):
+        with pytest.raises(ConfigError, match=f"'model.{key}' was removed: .* no effect on whole runs"):
+            load_config(None, [f"model.{key}=false"])
 
 
 def test_demo_budget_keeps_its_last_weight_phase():

@@ -1,10 +1,8 @@
 """HFEngine's continuous batching and prefix sharing on the tiny model: exact samples, shared KV, safe weights."""
 
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 import torch
@@ -66,26 +64,6 @@ def test_sample_does_not_depend_on_when_it_joined(engine, plain):
     many = engine.generate([GenerationRequest(OTHER, seed=i, max_tokens=8 + i) for i in range(7)]
                            + [GenerationRequest(USER, seed=11, max_tokens=24)], SAMPLE)
     assert many[-1][0].completion_ids == alone[0]
-
-
-def test_same_tokens_as_the_engine_of_1c4ff05(tiny_model_dir, engine):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    legacy = pytest.importorskip("legacy")
-    try:
-        old = legacy.legacy_engine(str(tiny_model_dir), dtype="float32", device="cpu", max_batch_size=4,
-                                   max_model_len=256)
-    except Exception as exc:  # noqa: BLE001 - no git history (e.g. an sdist): nothing to compare with
-        pytest.skip(f"commit {legacy.LEGACY_COMMIT} not available: {exc}")
-    prefill = USER + [{"role": "assistant", "content": "The answer is"}]
-    reqs = [GenerationRequest(USER, seed=3, max_tokens=20), GenerationRequest(LONG, seed=4, n=3),
-            GenerationRequest(prefill, seed=5, stop=["a"]), GenerationRequest(OTHER, seed=6, max_tokens=5),
-            GenerationRequest(USER, choices=["Paris", "Nairobi", "e2e4"], seed=7, n=4)]
-    for sampling in (SAMPLE, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=12)):
-        want = old.generate(reqs, sampling)
-        got = engine.generate(reqs, sampling)
-        assert [[(g.text, g.completion_ids, g.finish_reason) for g in gens] for gens in got] == \
-            [[(g.text, g.completion_ids, g.finish_reason) for g in gens] for gens in want]
-        assert [g[0].prompt_ids for g in got] == [g[0].prompt_ids for g in want]
 
 
 def test_k_samples_prefill_their_prompt_once(tiny_model_dir, plain):
@@ -339,15 +317,11 @@ def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
         eng.close()
 
 
-@pytest.mark.parametrize("sdpa_decode", [True, False])
-def test_slab_decode_attention_matches_sdpa(engine, monkeypatch, sdpa_decode):
-    """The engine's own decode attention (CPU) gives the logits transformers' sdpa gives: sdpa's
-    kernel over the live columns only, or the two matmuls over the whole slab block."""
-    from whale.engine import attention
-    from whale.engine.attention import decode_attention
+def test_slab_decode_attention_matches_sdpa(engine):
+    """The engine's own decode attention (CPU: sdpa's kernel over the live columns, grouped-query
+    heads in the kernel) gives the logits transformers' sdpa gives."""
+    from whale.engine.attention import decode_allowed, decode_attention
     from whale.engine.kv import KVSlab
-
-    monkeypatch.setattr(attention, "SDPA_DECODE", sdpa_decode)
 
     model = engine.model
     slab = KVSlab(model.config.num_hidden_layers, engine.device)
@@ -361,15 +335,13 @@ def test_slab_decode_attention_matches_sdpa(engine, monkeypatch, sdpa_decode):
         model(input_ids=ids, attention_mask=causal, position_ids=cols, cache=slab.view(
             0, rows, torch.arange(rows).unsqueeze(-1).expand(rows, width), cols, width), use_cache=True)
         step = ids[torch.arange(rows), lens].unsqueeze(-1)
+        live = int(lens.max()) + 1
+        mask = decode_allowed(lens, live)
         out = {}
         for on in (True, False):
             with decode_attention(model, enabled=on) as used:
                 assert used == on
-                w = attention.decode_columns(lens, slab.cols) if on else width
-                assert w == (int(lens.max()) + 1 if sdpa_decode or not on else slab.cols)
-                allowed = (torch.arange(w) <= lens.unsqueeze(-1)).view(rows, 1, 1, w)
-                mask = attention.decode_mask(lens, w) if on else allowed
-                view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1), lens.unsqueeze(-1), w)
+                view = slab.view(0, rows, torch.arange(rows).unsqueeze(-1), lens.unsqueeze(-1), live)
                 out[on] = model(input_ids=step, attention_mask=mask, position_ids=lens.unsqueeze(-1), cache=view,
                                 use_cache=True).logits
         assert model.config._attn_implementation == "sdpa"  # switched back
@@ -392,16 +364,15 @@ class _GroupedAttention:
     num_key_value_groups, is_causal = 3, True
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slab_prefill_attention_has_sdpas_bits(dtype, monkeypatch):
-    """Grouped-query heads in the kernel (no repeat_kv copy) give exactly transformers' sdpa output,
-    on strided slab views under 4D masks, bool and additive; without a mask it is sdpa itself. (bf16
-    with the math path off: that path's own test is below.)"""
+def test_float32_prefill_attention_is_sdpas():
+    """Off the bf16 math path (float32 here) the engine's prefill attention is transformers' sdpa
+    wrapper itself: the same bits, on strided slab views under 4D masks, bool and additive, and
+    without a mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from whale.engine import attention
 
-    monkeypatch.setattr(attention, "MATH_PREFILL", False)
+    dtype = torch.float32
     for q, k, v, allowed in _prefill_attention_cases(dtype):
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         for mask in (allowed, additive, None):
@@ -481,23 +452,6 @@ def test_k_samples_of_one_position_are_scored_once(tiny_model_dir, plain):
         eng.close()
 
 
-def test_mixed_forward_samples_what_separate_forwards_sample(tiny_model_dir):
-    """A join while rows are live runs their decode step inside the newcomers' prefill forward
-    (engine/mixed.py, CPU): the same tokens as a prefill forward followed by a decode step."""
-    reqs = [GenerationRequest(OTHER, seed=i, max_tokens=6 + 3 * i) for i in range(6)] + [
-        GenerationRequest(LONG, seed=9, n=3, max_tokens=14), GenerationRequest(USER, seed=11, max_tokens=24),
-        GenerationRequest(USER + [{"role": "assistant", "content": "The answer is"}], seed=5, max_tokens=9)]
-    got = {}
-    for mixed in (False, True):
-        eng = make(tiny_model_dir, mixed_forwards=mixed)  # 4 rows for 11 samples: most join while others decode
-        try:
-            got[mixed] = [[g.completion_ids for g in gens] for gens in eng.generate(reqs, SAMPLE)]
-            assert (eng.stats["mixed_forwards"] > 0) == mixed
-        finally:
-            eng.close()
-    assert got[True] == got[False]
-
-
 def _join(tiny_model_dir, newcomers: list[list[dict]]) -> tuple[dict, list, HFEngine]:
     """`newcomers` submitted together while one row decodes: (stats of their join, their samples, engine)."""
     system = LONG[:1]
@@ -509,21 +463,7 @@ def _join(tiny_model_dir, newcomers: list[list[dict]]) -> tuple[dict, list, HFEn
     got = eng.generate([GenerationRequest(m, seed=7 + i) for i, m in enumerate(newcomers)], SAMPLE)
     assert not live.done(), "the live row must still decode when the newcomers join"
     live.result()
-    return {k: eng.stats[k] - before[k] for k in ("prefill_forwards", "mixed_forwards")}, got, eng
-
-
-def test_a_join_of_unequal_prompts_is_one_mixed_forward(tiny_model_dir, plain):
-    """Two newcomers whose lengths differ by more than a forward's fixed cost would be two prefill
-    forwards if padded; riding the step's decode (packed GEMMs, only the attention padded) they are
-    ONE mixed forward, and draw the tokens they draw alone."""
-    newcomers = [[{"role": "user", "content": "one two three four five six seven eight nine ten " * 4}],
-                 [{"role": "user", "content": "ten nine eight seven six five four three two one " * 3}]]
-    counts, got, eng = _join(tiny_model_dir, newcomers)
-    longer, shorter = (len(eng._prompt_ids(m)) for m in newcomers)
-    eng.close()
-    assert scheduler.FORWARD_TOKENS < longer - shorter < 2 * scheduler.FORWARD_TOKENS  # split if padded
-    assert counts == {"prefill_forwards": 1, "mixed_forwards": 1}
-    assert [g[0].completion_ids for g in got] == [ids(plain, messages=m, seed=7 + i)[0] for i, m in enumerate(newcomers)]
+    return {k: eng.stats[k] - before[k] for k in ("prefill_forwards",)}, got, eng
 
 
 def test_prompts_alike_by_a_few_tokens_do_not_wait_a_round(tiny_model_dir, plain):
@@ -532,5 +472,5 @@ def test_prompts_alike_by_a_few_tokens_do_not_wait_a_round(tiny_model_dir, plain
     newcomers = [LONG[:1] + [{"role": "user", "content": f"What is the capital of {c}?"}] for c in ("Peru", "Chad")]
     counts, got, eng = _join(tiny_model_dir, newcomers)
     eng.close()
-    assert counts == {"prefill_forwards": 1, "mixed_forwards": 1}
+    assert counts == {"prefill_forwards": 1}
     assert [g[0].completion_ids for g in got] == [ids(plain, messages=m, seed=7 + i)[0] for i, m in enumerate(newcomers)]

@@ -1,7 +1,10 @@
 """The run directory's resume rules: the keyed ledger, and pruning that never strands state.json."""
 
+import hashlib
 import json
 from pathlib import Path
+
+import pytest
 
 from whale.config import Config
 from whale.store import Ledger, RunDir, load_summary
@@ -76,3 +79,25 @@ def test_environment_record_names_the_source_commit():
         assert commit is None  # not a git checkout (an installed wheel)
     else:
         assert commit.removesuffix("+dirty") == head.stdout.strip()
+
+
+def test_version_step_reads_only_w_and_ascii_digits():
+    from whale.store import version_step
+
+    assert [version_step(v) for v in ("w0", "w12", "w007")] == [0, 12, 7]
+    for other in ("base", "w", "w3.tmp", "v3", "w-1", "w²", "w٣"):  # the old one raised on "w²"
+        assert version_step(other) is None, other
+    assert sorted(["w10", "w2", "w1"], key=version_step) == ["w1", "w2", "w10"]
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temporary_file(tmp_path):
+    from whale.store import atomic_write, file_sha256
+
+    path = tmp_path / "deep" / "state.json"
+    atomic_write(path, "old")
+    atomic_write(path, "new")
+    assert path.read_text() == "new" and sorted(p.name for p in path.parent.iterdir()) == ["state.json"]
+    with pytest.raises(TypeError):
+        atomic_write(path, 42)  # not text: the write fails, the old file stays, no temporary is left
+    assert path.read_text() == "new" and sorted(p.name for p in path.parent.iterdir()) == ["state.json"]
+    assert file_sha256(path) == hashlib.sha256(b"new").hexdigest()

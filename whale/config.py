@@ -34,13 +34,6 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(4096, description="prompt + completion tokens one sequence may hold")
     max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
                                 "benchmarks/decode_width.py); vllm: requests in flight")
-    mixed_forwards: bool = Field(True, description="hf on CPU: a join's prefill and the live rows' decode step "
-                                 "in one forward (docs/design.md); false gives the batch shapes, so the bf16 "
-                                 "tokens, of records made before it")
-    packed_gemm: bool = Field(True, description="hf on CPU in float32 or bfloat16: Linear layers of up to 64 rows "
-                              "on weights packed once (MKL for float32, oneDNN for bf16; engine/packed.py); false: "
-                              "the plain GEMM, which has the same bits in bf16 and rounds differently under 16 rows "
-                              "in float32 (no sampled token changed in the runs measured)")
     cpu_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
                                     "forwards; empty: OMP_NUM_THREADS if set, else the usable cores but one (the "
                                     "runner, tools and sandboxes run on the rest; docs/design.md)")
@@ -355,7 +348,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 RETIRED = {("runner", "batch_window_ms"): (20.0, "continuous batching in the engine replaced the "
                                            "runner's static batcher; see runner.lockstep"),
            ("runner", "sandbox", "output_bytes"): (1_000_000, "it was never read (an episode keeps the last "
-                                                   "4,000 characters it prints; files it writes are capped at 16 MiB)")}
+                                                   "4,000 characters it prints; files it writes are capped at 16 MiB)"),
+           ("model", "mixed_forwards"): (True, "the mixed forward showed no effect on whole runs and was removed "
+                                         "on 2026-12-06; delete the key"),
+           ("model", "packed_gemm"): (True, "float32 packs showed no effect on whole runs and were removed on "
+                                      "2026-12-06; bf16 packs give the plain bits and are always on; delete the key")}
 
 
 def _drop_retired(tree: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ What runs where (see docs/scale-out.md):
 - `RunnerActor`s (fractional CPUs, spread over nodes): a domain built from the config
   (`load_domain(cfg)`, or a picklable `domain_factory`), a `RolloutRunner`, sandboxes, graders.
   Their engine is an `EngineProxy` to the mailbox, or, when the driver engine is a vLLM client
-  (`base_url` and `returns_ids`) whose server all nodes can reach, a client of their own that
-  talks to the server directly (the driver's adapter route and version are copied at each run).
+  whose server all nodes can reach, a client of their own that talks to the server directly
+  (`VLLMEngine.client_spec`; it follows the driver's `routing()`, adapter and version, at each run).
 
 Seeds depend on (run seed, problem id, sample), never on which actor or batch an episode lands
 in, so a deterministic engine gives exactly the trajectories of a local run. Ray is an optional
@@ -41,14 +41,13 @@ from urllib.parse import urlparse
 from whale.config import Config, ConfigError
 from whale.domains import Domain, Problem, load_domain
 from whale.engine.base import Engine, Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all
+from whale.engine.vllm import VLLMEngine
 from whale.harness.progress import ProgressBar
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import Trajectory
 
 RAY_HINT = "pip install 'whale-opt[ray]'"
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-# VLLMEngine attributes that decide where a request goes; copied from the driver at every run
-CLIENT_STATE = ("base_url", "served_name", "server_max_len", "weights_version", "_route")
 
 
 class Executor(Protocol):
@@ -212,19 +211,14 @@ class RunnerActor:
 
         sandbox.UIDS.use_range(*uid_slice)
         self.mailbox = mailbox
-        if client is not None:
-            from whale.engine.vllm import VLLMEngine
-
-            self.engine = VLLMEngine(client["model"], base_url=client["base_url"],
-                                     max_model_len=client.get("max_model_len"))
-        else:
-            self.engine = EngineProxy(mailbox, returns_ids)
+        self.client = VLLMEngine(**client) if client is not None else None  # its own client of the server
+        self.engine: Engine = self.client if self.client is not None else EngineProxy(mailbox, returns_ids)
         self.runner = RolloutRunner(self.engine, domain_factory(), cfg)
 
     def run(self, shard: tuple[int, int], harness_source: str, problems: list[Problem], samples: int, harness_id: str,
-            seed: int, purpose: str, client_state: dict[str, Any] | None) -> dict[str, Any]:
-        for key, value in (client_state or {}).items():
-            setattr(self.engine, key, value)
+            seed: int, purpose: str, routing: dict[str, Any] | None) -> dict[str, Any]:
+        if self.client is not None and routing is not None:  # where the driver's client sends requests now
+            self.client.follow(routing)
         import ray
 
         sent = []  # refs of streamed trajectories: all delivered before this call returns
@@ -336,15 +330,14 @@ class RayExecutor:
                                f"from the config; are whale and the data installed on every node?): {e}") from None
 
     def _client_spec(self, ray) -> dict[str, Any] | None:
-        """Direct vLLM clients for the workers when every node can reach the server, else None."""
-        url = getattr(self.engine, "base_url", None)
-        if not url or not getattr(self.engine, "returns_ids", False) or not hasattr(self.engine, "served_name"):
+        """Direct vLLM clients for the workers when the driver's engine is one and every node can
+        reach its server, else None (the workers call the driver's engine through the mailbox)."""
+        if not isinstance(self.engine, VLLMEngine):
             return None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if urlparse(url).hostname in LOOPBACK and len(nodes) > 1:
+        if urlparse(self.engine.base_url).hostname in LOOPBACK and len(nodes) > 1:
             return None  # a server bound to 127.0.0.1 on the driver is out of other nodes' reach
-        return {"model": str(getattr(self.engine, "model", "model")), "base_url": url,
-                "max_model_len": getattr(self.engine, "max_model_len", None)}
+        return self.engine.client_spec()
 
     def run(self, harness_source: str, problems: list[Problem], samples: int = 1, *, harness_id: str = "h0",
             seed: int = 0, purpose: str = "eval", progress: str | None = None,
@@ -357,10 +350,10 @@ class RayExecutor:
         ray = self.ray
         self.runs += 1  # tags streamed episodes, so leftovers of an aborted run are never mixed in
         ray.get(self.mailbox.set_version.remote(self.engine.weights_version))  # before any episode starts
-        state = {k: getattr(self.engine, k) for k in CLIENT_STATE if hasattr(self.engine, k)} if self.client else None
+        routing = self.engine.routing() if isinstance(self.engine, VLLMEngine) and self.client else None
         shards = [list(range(i, len(problems), len(self.actors))) for i in range(min(len(self.actors), len(problems)))]
         refs = {self.actors[s].run.remote((self.runs, s), harness_source, [problems[i] for i in idx], samples,
-                                          harness_id, seed, purpose, state): s for s, idx in enumerate(shards)}
+                                          harness_id, seed, purpose, routing): s for s, idx in enumerate(shards)}
         bar = ProgressBar(progress, len(problems) * samples)
         outputs: dict[int, dict[str, Any]] = {}
         failures: list[str] = []

@@ -41,7 +41,8 @@ from whale.engine.default_model import resolve_model_path  # noqa: E402
 from whale.evaluate import bootstrap_ci, eval_seed, evaluate  # noqa: E402
 from whale.harness.runner import RolloutRunner  # noqa: E402
 from whale.search.archive import Archive  # noqa: E402
-from whale.store import Ledger, append_line, atomic_write, fingerprint_problems, read_metrics  # noqa: E402
+from whale.store import (Ledger, append_line, atomic_write, fingerprint_problems, read_metrics,  # noqa: E402
+                         version_step)
 
 BASE = "base"
 
@@ -77,11 +78,6 @@ class RunInfo:
     trained: list[str]  # every weights version the run ever pushed
 
 
-def _version_step(version: str) -> int:
-    m = re.fullmatch(r"w(\d+)", version)
-    return int(m.group(1)) if m else 10**9
-
-
 def read_run(path: str | Path) -> RunInfo:
     path = Path(path)
     for name in ("config.yaml", "state.json", "metrics.jsonl"):
@@ -95,11 +91,11 @@ def read_run(path: str | Path) -> RunInfo:
     for hid in ["h0", *accepted, state.get("harness_id") or "h0"]:
         if hid not in harnesses:
             harnesses.append(hid)
-    trained = sorted({r["weights_version"] for r in rows
-                      if r.get("event") == "weight_step" and r.get("weights_version")}, key=_version_step)
+    trained = sorted({r["weights_version"] for r in rows if r.get("event") == "weight_step"
+                      and version_step(r.get("weights_version") or "") is not None}, key=version_step)
     on_disk = [d.name for d in (path / "weights").iterdir()
-               if d.is_dir() and re.fullmatch(r"w\d+", d.name)] if (path / "weights").is_dir() else []
-    return RunInfo(path, cfg, state, rows, harnesses, sorted(on_disk, key=_version_step), trained)
+               if d.is_dir() and version_step(d.name) is not None] if (path / "weights").is_dir() else []
+    return RunInfo(path, cfg, state, rows, harnesses, sorted(on_disk, key=version_step), trained)
 
 
 def _same_base_model(a: RunInfo, b: RunInfo) -> bool:

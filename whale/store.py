@@ -22,6 +22,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -56,14 +57,22 @@ def kill_point(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so that a kill leaves either the old file or the complete new one: a
+    temporary file of its own beside it (two writers never share one), fsynced, renamed over it."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:
@@ -304,8 +313,10 @@ class RunDir:
 
 
 def version_step(version: str) -> int | None:
-    """The step number of a weights version `w<step>`; None for anything else ("base", "w3.tmp")."""
-    return int(version[1:]) if version.startswith("w") and version[1:].isdigit() else None
+    """The step number of a weights version `w<step>` (ASCII digits); None for anything else
+    ("base", "w3.tmp", "w²")."""
+    digits = version[1:]
+    return int(digits) if version.startswith("w") and digits.isascii() and digits.isdigit() else None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -346,7 +357,8 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     return out
 
 
-def _sha256(path: Path, limit: int | None = None) -> str:
+def file_sha256(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks (weights files are large)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -389,7 +401,7 @@ def fingerprint_model(path: str | Path) -> dict[str, str]:
     p = Path(path)
     if not p.is_dir():
         return {}
-    return {f.name: _sha256(f) for f in sorted(p.iterdir()) if f.suffix in (".safetensors", ".bin", ".gguf")}
+    return {f.name: file_sha256(f) for f in sorted(p.iterdir()) if f.suffix in (".safetensors", ".bin", ".gguf")}
 
 
 def fingerprint_problems(splits: dict[str, list]) -> dict[str, str]:

@@ -50,7 +50,8 @@ def load_domain(cfg: Config) -> Domain:
     else:
         raise ConfigError(f"unknown domain '{cfg.domain.name}': choose one of {', '.join(DOMAIN_NAMES)} "
                           "or set domain.module")
-    missing = [m for m in ("load_splits", "make_env", "grade", "base_harness") if not callable(getattr(domain, m, None))]
+    missing = [m for m in ("load_splits", "make_env", "grade", "grader", "base_harness")
+               if not callable(getattr(domain, m, None))]  # a user's class (domain.module): checked once, here
     if missing:
         raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain)")
     return domain

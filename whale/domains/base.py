@@ -169,6 +169,7 @@ class EpisodeEnv:
     """Parent-side state of one episode. Subclasses add tool methods named in `tools`."""
 
     tools: tuple[str, ...] = ()
+    fatal_error: str | None = None  # set by a tool that cannot go on: the episode ends with this error
 
     def __init__(self, problem: Problem):
         self.problem = problem
@@ -209,6 +210,12 @@ class Domain(Protocol):
 
     def grade(self, problem: Problem, answer: str | None) -> float:
         """Binary reward from what was submitted. Must be picklable/pure: runs in a process."""
+        ...
+
+    def grader(self) -> Callable[[Problem, str | None], float]:
+        """The grading function the rollout runner sends to its grader processes: picklable (a
+        module-level function or a `functools.partial` of one), `grade`'s reward for (problem,
+        answer). A domain whose `grade` is such a function returns it."""
         ...
 
     def base_harness(self) -> str:

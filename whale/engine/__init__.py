@@ -19,7 +19,6 @@ def make_engine(cfg: Config) -> Engine:
 
         return HFEngine(str(resolve_model_path(m.name)), dtype=m.dtype, device=m.device,
                         max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
-                        mixed_forwards=m.mixed_forwards, packed_gemm=m.packed_gemm,
                         cpu_threads=m.cpu_threads)
     if m.backend == "vllm":
         from whale.engine.default_model import resolve_model_path

@@ -16,14 +16,18 @@ bias, dropout off as in eval):
     a = x A^T                   (float32 at decode widths, then rounded; bf16 at prefill widths)
     y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded to bf16 once)
 
-Both go through the engine's packs where this CPU has them (engine/packed.py). The update is
-accumulated in float32 next to the base product inside the GEMM and the output is rounded once;
+The joined GEMM goes through the engine's bf16 packs at decode widths where this CPU has them
+(engine/packed.py). The update is accumulated in float32 next to the base product inside the GEMM
+and the output is rounded once;
 peft rounds the base product to bf16, adds the float32 update, and rounds again. Against a
 float64 reference this is the more accurate of the two (mean error 0.29-0.34 of an output's
 typical bf16 ulp, max 2.1-4.1, against peft's 0.38-0.40 and 3.5-7.1, for updates 3% and 26-28%
 of the output's size). Per layer 1.6-2.0x the base GEMMs: 1.2-1.3x faster than peft's at 1-8 rows,
 1.5x at 64, 1.8-1.9x at 256, 3.6-3.9x at 1,024; search-QA replays with an r = 16 adapter 1.21x
-[1.04, 1.41] faster (benchmarks/lora_generation.py). It is not peft's bits, so adapted samples
+[1.04, 1.41] faster (benchmarks/lora_generation.py) and `whale demo` 1.07x [1.04, 1.10]
+(2026-12-06, the 2-core AMX Xeon; measured when packs also served prefill widths and the rank-r
+product ran on MKL's packed float32 GEMM, both since removed for showing no whole-run effect of
+their own; docs/throughput.md). It is not peft's bits, so adapted samples
 change by rounding as they do between batch shapes in bf16 (docs/design.md); the trainer keeps
 peft's layers and arithmetic.
 
@@ -45,10 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from whale.engine.packed import MAX_ROWS, PackedLinears, walk_modules
-from whale.engine.packed import available as packed_available
-
-FUSED_LORA = True  # False: peft's own LoRA forward in generation (benchmarks compare)
+from whale.engine.packed import MAX_ROWS, PackedLinears, packed_matmul, walk_modules
 
 
 def lora_linear_type() -> type | None:
@@ -58,7 +59,7 @@ def lora_linear_type() -> type | None:
 
 
 def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
-    """An nn.Linear around `weight` (no copy): what PackedLinears packs and multiplies, per module."""
+    """An nn.Linear around `weight` (no copy): what PackedLinears packs, per module."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return linear
@@ -98,12 +99,11 @@ def _lora_layers(model: nn.Module, lora_type: type) -> list[nn.Module]:
 
 class AdaptedLinears:
     """The joined weights of one model's plain LoRA layers, and the forwards that use them (see
-    the module docstring). `packs` multiplies the joined weights (None: plain `F.linear`); the
-    rank-r product x A^T of decode widths runs in float32 (MKL's packed GEMM where this CPU has it)."""
+    the module docstring). `packs` packs the joined weights for decode widths (None: plain
+    `F.linear`); the rank-r product x A^T of decode widths runs in float32."""
 
     def __init__(self, dtype: torch.dtype, packs: PackedLinears | None):
         self.dtype, self.packs = dtype, packs
-        self.float_packs = PackedLinears(torch.float32) if packs is not None and packed_available(torch.float32) else None
         self._joined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA module -> _Joined
         self.builds = 0  # joined weights made (an adapter's first use, and again after each change)
 
@@ -127,27 +127,22 @@ class AdaptedLinears:
 
     def forward(self, entry: "_Joined", x: torch.Tensor) -> torch.Tensor:
         """[x | x A^T] [W | s B]^T for a forward on this engine's CPU, gradients off, in its dtype."""
-        narrow = x.numel() <= MAX_ROWS * x.shape[-1]  # the packs take it directly
-        if not narrow:  # prefill widths: oneDNN's bf16 GEMM (float32's grows 4x slower by 512 rows)
-            a = self._linear(entry.wide_down, x)
-        elif entry.down_pack is not None:  # decode widths: float32 (oneDNN's bf16 call costs ~18 us even at 1 row)
-            a = self.float_packs.matmul(x.float(), entry.down_pack, entry.rank)
-        else:
-            a = torch.nn.functional.linear(x.float(), entry.down.weight)
+        narrow = x.numel() <= MAX_ROWS * x.shape[-1]  # decode widths: the packs take it
+        if narrow:  # float32 (oneDNN's bf16 call costs ~18 us even at 1 row)
+            a = torch.nn.functional.linear(x.float(), entry.down)
+        else:  # prefill widths: the base dtype (float32's GEMM grows 4x slower by 512 rows)
+            a = torch.nn.functional.linear(x, entry.wide_down)
         xa = torch.cat([x, a.to(x.dtype)], dim=-1)
         if narrow and entry.joined_pack is not None:
-            return self.packs.matmul(xa, entry.joined_pack, entry.out_features)
-        return self._linear(entry.joined, xa)
-
-    def _linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self.packs.forward(module, x) if self.packs is not None else torch.nn.functional.linear(x, module.weight)
+            return packed_matmul(xa, entry.joined_pack)
+        return torch.nn.functional.linear(xa, entry.joined.weight)
 
     @contextmanager
     def installed(self, model: nn.Module):
         """Route `model`'s plain LoRA layers through `forward` inside (the engine thread owns the
         model then); the modules are as before afterwards. A module whose forward is already
         replaced on the instance is left alone."""
-        lora_type = lora_linear_type() if FUSED_LORA else None
+        lora_type = lora_linear_type()
         bound = []
         if lora_type is not None:
             for m in _lora_layers(model, lora_type):
@@ -168,19 +163,16 @@ class _Joined:
     forward in the engine: `AdaptedLinears.forward`, or peft's own for a call that is not one of
     the engine's (gradients on, another dtype, extra arguments). Holds the module weakly."""
 
-    __slots__ = ("adapted", "module", "key", "dtype", "down", "wide_down", "joined", "down_pack", "joined_pack",
-                 "rank", "out_features")
+    __slots__ = ("adapted", "module", "key", "dtype", "down", "wide_down", "joined", "joined_pack")
 
     def __init__(self, adapted: AdaptedLinears, module: Any, key: tuple, w: torch.Tensor, a: torch.Tensor,
                  b: torch.Tensor, scaling: float):
         self.adapted, self.module, self.key, self.dtype = adapted, weakref.ref(module), key, w.dtype
-        self.down = _frozen_linear(a.to(torch.float32, copy=True))  # decode widths: x -> a in float32
-        self.wide_down = _frozen_linear(a.to(w.dtype, copy=True))  # wider forwards: x -> a in the base dtype
+        self.down = a.to(torch.float32, copy=True)  # decode widths: x -> a in float32
+        self.wide_down = a.to(w.dtype, copy=True)  # wider forwards: x -> a in the base dtype
         self.joined = _frozen_linear(torch.cat([w, (b.float() * scaling).to(w.dtype)], dim=1))  # [W | s B]
         # packed once here: the weights above never change (new ones make a new _Joined)
-        self.down_pack = adapted.float_packs.pack_of(self.down) if adapted.float_packs is not None else None
         self.joined_pack = adapted.packs.pack_of(self.joined) if adapted.packs is not None else None
-        self.rank, self.out_features = a.shape[0], w.shape[0]
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.dtype != self.dtype or torch.is_grad_enabled():

@@ -16,8 +16,11 @@ cannot return ids (`returns_ids = False`) serves evaluation and proposers only.
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 import weakref
+from bisect import bisect
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -177,6 +180,23 @@ def weights_kind(folder: Path) -> str:
         return "full"
     raise ValueError(f"{folder} is neither a PEFT adapter (adapter_config.json) "
                      "nor a model folder (config.json)")
+
+
+def draw_choices(logps: Sequence[float], seeds: list[int], temperature: float) -> list[int]:
+    """Indices of the choices drawn for `choices` requests, one per seed: from softmax(logp / T)
+    (argmax at T = 0, the first of equal ones), where logp is each choice's log p(choice | prompt).
+    Every backend draws here, in float64 with `random.Random(seed)`, so the same seed and scores
+    pick the same choice on hf, vllm and openai alike (sequence-level choice, as engine/hf.py says)."""
+    logps = [float(x) for x in logps]
+    if temperature <= 0:
+        best = max(range(len(logps)), key=logps.__getitem__)
+        return [best] * len(seeds)
+    top = max(x / temperature for x in logps)
+    cdf, total = [], 0.0
+    for x in logps:
+        total += math.exp(x / temperature - top)
+        cdf.append(total)
+    return [bisect(cdf, random.Random(seed).random() * total, 0, len(cdf) - 1) for seed in seeds]
 
 
 def error_generations(message: str, weights_version: str = "base") -> list[Generation]:

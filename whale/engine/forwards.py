@@ -1,88 +1,78 @@
-"""The hf engine's model forwards: a prefill chunk, a mixed forward, a decode step.
+"""The hf engine's model forwards: a prefill chunk and a decode step.
 
 Why apart from the scheduler: engine/scheduler.py decides WHAT runs at each step (admission,
 prefix sources, prefill rounds, retirement); `Forwards` runs it. It builds each forward's inputs
 over the KV slab, calls the model, draws every row's token from that row's own uniform and counts
-the work in the scheduler's `stats`. It holds nothing of its own beyond references to the
-engine, the slab and the stats, so the scheduler's state stays in one place.
+the work in the scheduler's `stats`. It holds nothing of its own beyond references to its
+`ModelHost` (what it needs of the engine, declared below), the slab and the stats, so the
+scheduler's state stays in one place.
 
-Three forwards, one per situation:
+Two forwards:
 - `prefill`: the prompt suffixes (and choice trees) of consecutive slab rows, padded to the
-  longest (engine/prefill.py builds the inputs), sdpa with grouped-query heads on CPU
-  (engine/attention.py);
-- `decode`: one token of every live row, its attention over the slab (engine/attention.py) on CPU;
-- `mixed`: both at once, packed into one row (engine/mixed.py), when the step's decode can ride in
-  its last prefill forward (`can_mix`, `mixable`): the weights are streamed once for both.
+  longest (engine/prefill.py builds the inputs); on CPU in bfloat16 its attention is
+  matmul-softmax-matmul (engine/attention.py);
+- `decode`: one token of every live row, its attention over the slab's live columns
+  (engine/attention.py) on CPU.
 
-On CPU in float32 or bfloat16 every forward runs its Linear layers of up to 64 rows on weights
-packed once (engine/packed.py, `model.packed_gemm`): decode steps, and prefill's lm_head over the
-kept rows; in bfloat16 also prefill's and mixed forwards' wider ones, at the widths checked to give
-the plain bits.
+On CPU in bfloat16 every forward runs its Linear layers of up to 64 rows on weights packed once
+(engine/packed.py): decode steps, and prefill's lm_head over the kept rows.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from whale.engine.attention import (decode_allowed, decode_attention, decode_columns, decode_mask,
-                                    prefill_attention, slab_decode_pays)
+from whale.engine.adapted import AdaptedLinears
+from whale.engine.attention import decode_allowed, decode_attention, prefill_attention
 from whale.engine.jobs import ChoiceRow, Seq, sample_rows
 from whale.engine.kv import KVSlab
-from whale.engine.mixed import mixed_forward, mixed_inputs
+from whale.engine.packed import PackedLinears
 from whale.engine.prefill import choice_scores, prefill_inputs, tree_len
 
-if TYPE_CHECKING:  # the engine owns the scheduler that owns this; types only (a real cycle otherwise)
-    from whale.engine.hf import HFEngine
 
-SLAB_DECODE_ATTENTION = True  # decode with whale.engine.attention on CPU (sdpa when False)
+class ModelHost(Protocol):
+    """What the forwards need of the engine that owns them (engine/hf.py's HFEngine): the model
+    served now (it changes with `load_weights`) and how to call it, the token ids that end a
+    sample, and its stop strings. Read at every forward, never written."""
+
+    model: Any  # a transformers causal LM, possibly peft-wrapped
+    cache_kwarg: str  # the forward argument that takes the KV cache
+    device: torch.device
+    dtype: torch.dtype
+    pad_id: int
+    eos_ids: set[int]
+    packed_linears: PackedLinears | None
+    adapted_linears: AdaptedLinears | None
+
+    def hit_stop(self, ids: list[int], stop: list[str], window: int) -> bool: ...
 
 
 class Forwards:
     """The forwards of the scheduler's thread (the only thread that runs the model)."""
 
-    def __init__(self, engine: "HFEngine", slab: KVSlab, stats: dict[str, float]):
-        self.engine = engine
+    def __init__(self, host: ModelHost, slab: KVSlab, stats: dict[str, float]):
+        self.host = host
         self.slab = slab
         self.stats = stats
-
-    # ------------------------------------------------------------------ which forward
-
-    def can_mix(self) -> bool:
-        """May this step's decode ride in a prefill forward: the option on, CPU, sdpa (`mixable`
-        then checks the rows)."""
-        return (self.engine.mixed_forwards and SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu"
-                and self.engine.model.config._attn_implementation == "sdpa")
-
-    def mixable(self, decode: list[Seq]) -> bool:
-        """`decode` (the live rows, then the sequences prefilled before the last forward) can decode
-        in it: there are some, none has finished (a first token that was EOS leaves at the next
-        retire; it must not decode again), and the slab decode attention would serve them, as in
-        `decode`."""
-        return (bool(decode) and all(s.finish is None for s in decode)
-                and self.slab_decode(max(s.kv_len for s in decode) + 1))
-
-    def slab_decode(self, width: int) -> bool:
-        """Decode with whale.engine.attention (CPU) over the slab when the live rows use `width` columns."""
-        return SLAB_DECODE_ATTENTION and self.engine.device.type == "cpu" and slab_decode_pays(self.slab.cols, width)
 
     # ------------------------------------------------------------------ the forwards
 
     def prefill(self, chunk: list[Seq] | list[ChoiceRow]) -> None:
         """One forward over the suffixes (and choice tokens) of `chunk`, whose rows are consecutive."""
-        dev = self.engine.device
+        dev = self.host.device
         m = len(chunk)
-        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.engine.pad_id)
+        ids, pos, cols, mask, keep = prefill_inputs(chunk, self.host.pad_id)
         width, cols_needed = ids.shape[1], mask.shape[-1]
         self._count_prefill(chunk, padded=m * width)
         first = chunk[0].row
         rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
         view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
         t0 = time.perf_counter()
-        with prefill_attention(self.engine.model, enabled=dev.type == "cpu"):
+        with prefill_attention(self.host.model, enabled=dev.type == "cpu"):
             logits = self.model_forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
                                         position_ids=pos.to(dev), logits_to_keep=keep)
         seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]
@@ -95,30 +85,9 @@ class Forwards:
                 choice_scores(it, logits[j])
         self.stats["prefill_seconds"] += time.perf_counter() - t0
 
-    def mixed(self, decode: list[Seq], chunk: list[Seq]) -> None:
-        """One packed forward: the decode step of `decode` (slab rows 0..n-1) and the prefill of
-        `chunk` (the rows after them), whatever its padding would have been (engine/mixed.py)."""
-        dev = self.engine.device
-        self.slab.reserve(chunk[-1].row + 1, max(s.kv_len for s in decode) + 1)
-        ids, pos, rows, cols, keep, plan = mixed_inputs(decode, chunk, self.slab.cols, dev)
-        self._count_prefill(chunk, padded=ids.shape[1] - len(decode))  # packed: no padding
-        self.stats["mixed_forwards"] += 1
-        self._count_decode(decode)
-        view = self.slab.view(0, chunk[-1].row + 1, rows, cols, self.slab.cols)
-        t0 = time.perf_counter()
-        with mixed_forward(self.engine.model, plan):
-            logits = self.model_forward(view, input_ids=ids, attention_mask=plan.decode_mask[:1, :, :, :1],
-                                        position_ids=pos, logits_to_keep=keep)
-        for s in decode:
-            s.kv_len += 1
-        for s in chunk:
-            s.kv_len = len(s.prompt)
-        self._sample(decode + chunk, logits[0])
-        self.stats["prefill_seconds"] += time.perf_counter() - t0  # a mixed forward counts as prefill time
-
     def decode(self, rows: list[Seq]) -> None:
         """One decode step of `rows` (slab rows 0..n-1, in order)."""
-        dev = self.engine.device
+        dev = self.host.device
         n = len(rows)
         kv = torch.tensor([s.kv_len for s in rows])
         width = int(kv.max()) + 1
@@ -126,14 +95,10 @@ class Forwards:
         tokens = torch.tensor([[s.next_token()] for s in rows], device=dev)
         self._count_decode(rows)
         cols = kv.unsqueeze(-1).to(dev)
+        mask = self._mask(decode_allowed(kv, width).to(dev))  # its live columns (the longest row's)
+        view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
         t0 = time.perf_counter()
-        with decode_attention(self.engine.model, enabled=self.slab_decode(width)) as slab:
-            if slab:  # engine/attention.py: which columns it reads, under which mask
-                width = decode_columns(kv, self.slab.cols)
-                mask = decode_mask(kv, width).to(dev)
-            else:
-                mask = self._mask(decode_allowed(kv, width).to(dev))
-            view = self.slab.view(0, n, torch.arange(n, device=dev).unsqueeze(-1), cols, width)
+        with decode_attention(self.host.model, enabled=dev.type == "cpu"):  # engine/attention.py
             logits = self.model_forward(view, input_ids=tokens, attention_mask=mask, position_ids=cols)
         for s in rows:
             s.kv_len += 1
@@ -142,16 +107,16 @@ class Forwards:
 
     def model_forward(self, cache, **kwargs) -> torch.Tensor:
         """The model's logits for one forward over `cache` (a slab view), in eval mode."""
-        model = self.engine.model
+        model = self.host.model
         training = model.training
         if training:  # the trainer may have left it in train mode: sample without dropout
             model.eval()
-        packed = self.engine.packed_linears  # CPU, float32 or bfloat16: engine/packed.py
-        adapted = self.engine.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
+        packed = self.host.packed_linears  # CPU, bfloat16: engine/packed.py
+        adapted = self.host.adapted_linears  # CPU: LoRA layers on joined weights, engine/adapted.py
         try:
             with (packed.installed(model) if packed is not None else nullcontext(),
                   adapted.installed(model) if adapted is not None else nullcontext()):
-                out = model(use_cache=True, return_dict=True, **{self.engine.cache_kwarg: cache}, **kwargs)
+                out = model(use_cache=True, return_dict=True, **{self.host.cache_kwarg: cache}, **kwargs)
         finally:
             if training:
                 model.train()
@@ -161,21 +126,21 @@ class Forwards:
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """The 4D mask as the attention implementation wants it: bool for sdpa, additive otherwise."""
-        if self.engine.model.config._attn_implementation == "sdpa":
+        if self.host.model.config._attn_implementation == "sdpa":
             return allowed
-        dtype = self.engine.dtype
+        dtype = self.host.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """Append each sequence's next token (its own uniform for this step) and mark finished ones."""
         tokens = sample_rows(seqs, logits)
-        eos = self.engine.eos_ids
+        eos = self.host.eos_ids
         for s, tok in zip(seqs, tokens):
             s.ids.append(tok)
             if tok in eos:
                 s.finish = "stop"
-            elif s.job.stop and self.engine.hit_stop(s.ids, s.job.stop, s.stop_window):
+            elif s.job.stop and self.host.hit_stop(s.ids, s.job.stop, s.stop_window):
                 s.finish = "stop"
             elif len(s.ids) >= s.job.max_new:
                 s.finish = "length"

@@ -42,7 +42,7 @@ from whale.engine.default_model import resolve_model_path
 from whale.engine.jobs import Job, Seq
 from whale.engine.lockstep import Lockstep
 from whale.engine.packed import PackedLinears
-from whale.engine.packed import available as packed_available
+from whale.engine.packed import available as packs_available
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 
@@ -127,8 +127,6 @@ class HFEngine:
         max_batch_size: int = 64,
         max_model_len: int = 4096,
         prefix_cache_bytes: int = 1 << 30,
-        mixed_forwards: bool = True,
-        packed_gemm: bool = True,
         cpu_threads: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +138,6 @@ class HFEngine:
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        self.mixed_forwards = mixed_forwards  # CPU: a join's prefill and the decode step in one forward
         self.weights_version = "base"
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # torch defaults to the machine's cores; in a container limited to fewer, oversubscription
@@ -160,9 +157,9 @@ class HFEngine:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.cache_kwarg = self._cache_kwarg()
-        # CPU, float32 or bfloat16: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
-        self.packed_linears = (PackedLinears(self.dtype) if packed_gemm and self.device.type == "cpu"
-                               and packed_available(self.dtype) else None)
+        # CPU, bfloat16: Linear layers of decode-sized batches on weights packed once (engine/packed.py)
+        self.packed_linears = (PackedLinears() if self.device.type == "cpu" and self.dtype == torch.bfloat16
+                               and packs_available() else None)
         # CPU: a LoRA layer's update inside its base layer's GEMM, on joined weights (engine/adapted.py)
         self.adapted_linears = (AdaptedLinears(self.dtype, self.packed_linears)
                                 if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) else None)
@@ -232,7 +229,7 @@ class HFEngine:
     def lockstep(self, clients: int, hold_s: float = 1.0) -> Lockstep:
         """Schedule the calls of `clients` episode slots in lockstep (engine/lockstep.py): the batches,
         and so the samples, follow from the episodes alone, whatever the timing."""
-        return Lockstep(self, clients, hold_s)
+        return Lockstep(self.scheduler, self.make_job, clients, hold_s)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[list[Generation]]:
         """Submit all, wait all (enqueued together, so the first prefill sees every request)."""

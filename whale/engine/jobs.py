@@ -150,18 +150,6 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, sampling: SamplingParam
     return (pick if order is None else order.gather(-1, pick)).squeeze(-1)
 
 
-def draw_choices(logp: torch.Tensor, seeds: list[int], temperature: float) -> list[int]:
-    """Indices of the drawn choices, one per seed: softmax(logp / T), argmax at T=0."""
-    if temperature <= 0:
-        return [int(logp.argmax())] * len(seeds)
-    cdf = torch.softmax(logp / temperature, dim=-1).cumsum(-1)
-    picks = []
-    for seed in seeds:
-        u = 1.0 - torch.rand(1, generator=torch.Generator().manual_seed(seed % (1 << 63)))
-        picks.append(int(torch.searchsorted(cdf, u * cdf[-1]).clamp(max=len(logp) - 1)))
-    return picks
-
-
 def weights_stamp(model: Any) -> tuple[int, int]:
     """Changes whenever a parameter is modified in place (autograd's version counters) or swapped."""
     return id(model), sum(p._version for p in model.parameters())

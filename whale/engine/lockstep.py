@@ -33,7 +33,8 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Callable, Protocol
 
 from whale.engine.base import GenerationRequest, SamplingParams, error_generations
 from whale.engine.jobs import Job
@@ -46,27 +47,43 @@ from whale.engine.jobs import Job
 SLACK = 1
 HOLD_S = 1.0  # the longest the engine waits for one due call before it goes on without it
 
-if TYPE_CHECKING:  # the scheduler imports this module; types only in the other direction
-    from whale.engine.hf import HFEngine
+
+class Clock(Protocol):
+    """What a lockstep needs of the engine's scheduler (engine/scheduler.py): its lock, its step
+    count, a way to wait until nothing is in flight, the queue, and the list of open gates it
+    consults at every step (`open_gate`, `close_gate`; called under `cond`)."""
+
+    cond: threading.Condition
+    step_no: int
+
+    def paused(self) -> AbstractContextManager[None]: ...
+
+    def enqueue(self, jobs: list[Job], blocked: tuple["Lockstep", int] | None = None) -> None: ...
+
+    def open_gate(self, gate: "Lockstep") -> None: ...
+
+    def close_gate(self, gate: "Lockstep") -> None: ...
 
 
 class Lockstep:
-    """One rollout batch's clients on the hf engine (`HFEngine.lockstep`); see the module docstring."""
+    """One rollout batch's clients on the hf engine (`HFEngine.lockstep`); see the module docstring.
+    `make_job` validates a request into a scheduler job (`HFEngine.make_job`)."""
 
-    def __init__(self, engine: "HFEngine", clients: int, hold_s: float = HOLD_S):
-        self.engine = engine
+    def __init__(self, clock: Clock, make_job: Callable[[GenerationRequest, SamplingParams, Future], Job],
+                 clients: int, hold_s: float = HOLD_S):
+        self.clock = clock
+        self.make_job = make_job
         self.hold_s = hold_s
         self.breaks = 0  # clients the engine stopped waiting for: the batch is then not reproducible
-        self.scheduler = engine.scheduler
-        self.cond: threading.Condition = self.scheduler.cond
+        self.cond: threading.Condition = clock.cond
         self.running: set[int] = set(range(clients))
         self.closed = False
-        with self.scheduler.paused():  # wait for anything in flight; the prefix cache is cleared on exit
+        with clock.paused():  # wait for anything in flight; the prefix cache is cleared on exit
             pass
         with self.cond:
-            start = self.scheduler.step_no
+            start = clock.step_no
             self.due = {c: start for c in range(clients)}  # the step each client's next call is due at
-            self.scheduler.gates.append(self)
+            clock.open_gate(self)
 
     def holds(self, step: int) -> bool:
         """True while a running client's next call is due at or before `step` (it is not here yet)."""
@@ -89,14 +106,14 @@ class Lockstep:
         """`Engine.submit` for `client`, admitted in `order` among the calls of the same step."""
         future: Future = Future()
         try:
-            job = self.engine.make_job(request, sampling, future)
+            job = self.make_job(request, sampling, future)
         except Exception as exc:  # noqa: BLE001 - a bad request is answered at once; the client runs on
             future.set_result(error_generations(f"error: {exc}"))
             return future
         job.order, job.gate, job.client = order, self, client
         with self.cond:  # the due step is read and the call queued in one critical section
             job.due = self.due[client] if self.due[client] < 1 << 62 else None
-            self.scheduler.enqueue([job], blocked=(self, client))
+            self.clock.enqueue([job], blocked=(self, client))
         return future
 
     def block(self, client: int) -> None:
@@ -108,7 +125,7 @@ class Lockstep:
         with self.cond:
             if not self.closed:
                 self.running.add(client)
-                self.due[client] = self.scheduler.step_no + SLACK
+                self.due[client] = self.clock.step_no + SLACK
 
     def leave(self, client: int) -> None:
         """The client has no more episodes to play."""
@@ -120,8 +137,7 @@ class Lockstep:
         with self.cond:
             self.closed = True
             self.running.clear()
-            if self in self.scheduler.gates:
-                self.scheduler.gates.remove(self)
+            self.clock.close_gate(self)
             self.cond.notify_all()
 
 

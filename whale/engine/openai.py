@@ -29,9 +29,7 @@ How it maps the engine contract onto the chat API:
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import secrets
 import time
 import urllib.error
@@ -40,7 +38,7 @@ import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams
+from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams, draw_choices
 from whale.engine.toolcalls import parse_tool_calls
 
 _EXTRA_FIELDS = ("top_k", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
@@ -123,16 +121,6 @@ def validate_request(req: GenerationRequest) -> list[str]:
     if req.max_tokens is not None and (not isinstance(req.max_tokens, int) or req.max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer, got {req.max_tokens!r}")
     return stop
-
-
-def draw_choices(logps: list[float], seeds: list[int], temperature: float) -> list[int]:
-    """Indices drawn from softmax(logp / T), one per seed (argmax at T=0): sequence-level choice."""
-    if temperature <= 0:
-        best = max(range(len(logps)), key=lambda i: logps[i])
-        return [best] * len(seeds)
-    top = max(x / temperature for x in logps)
-    weights = [math.exp(x / temperature - top) for x in logps]
-    return [random.Random(seed).choices(range(len(logps)), weights=weights)[0] for seed in seeds]
 
 
 def normalise_tool_calls(calls: Any) -> list[dict[str, Any]] | None:

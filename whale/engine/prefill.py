@@ -33,19 +33,12 @@ def prompt_cols(item: Seq | ChoiceRow) -> int:
 
 
 def plan_chunks(lengths: list[int], keeps: list[int], vocab: int, max_tokens: int, max_logits_bytes: int,
-                forward_tokens: int, last_mixed: bool = False) -> list[tuple[int, int]]:
+                forward_tokens: int) -> list[tuple[int, int]]:
     """Split items (lengths sorted longest first) into spans [i, j), one forward each, minimising the
     padded tokens plus `forward_tokens` per forward (its fixed cost), within `max_tokens` padded
-    tokens and `max_logits_bytes` of fp32 logits (`keeps[i]` positions kept per row) per forward.
-
-    `last_mixed`: the last span rides the step's decode in a mixed forward (engine/mixed.py), which
-    has no fixed cost of its own and packs its tokens without padding: only its attention pads (to
-    the span's longest suffix), so there a padding slot counts half a token."""
+    tokens and `max_logits_bytes` of fp32 logits (`keeps[i]` positions kept per row) per forward."""
     best = [0.0] + [float("inf")] * len(lengths)  # best[j]: cost of the first j items
     cut = [0] * (len(lengths) + 1)
-    total = [0]
-    for n in lengths:
-        total.append(total[-1] + n)
     for j in range(1, len(lengths) + 1):
         keep = 1
         for i in range(j - 1, -1, -1):  # the span [i, j); its width is lengths[i]
@@ -53,11 +46,7 @@ def plan_chunks(lengths: list[int], keeps: list[int], vocab: int, max_tokens: in
             m = j - i
             if m > 1 and (m * lengths[i] > max_tokens or m * keep * vocab * 4 > max_logits_bytes):
                 break
-            if last_mixed and j == len(lengths):
-                real = total[j] - total[i]
-                cost = best[i] + real + (m * lengths[i] - real) / 2
-            else:
-                cost = best[i] + forward_tokens + m * lengths[i]
+            cost = best[i] + forward_tokens + m * lengths[i]
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     spans, j = [], len(lengths)

@@ -5,9 +5,7 @@ Requests arrive as jobs from any thread (`enqueue`); each iteration of the threa
    and prefills them, sampling each one's first token;
 2. scores every waiting `choices` request together, across episodes;
 3. runs one decode step of every live row. A row that finishes leaves at once (the last row moves
-   into its place) and its request's future resolves when its last sample is done. On CPU, when
-   sequences joined at this step, that decode step runs inside their last prefill forward (one
-   packed forward, engine/mixed.py): the weights are streamed once for both.
+   into its place) and its request's future resolves when its last sample is done.
 So an episode's next call joins the running batch at the next step instead of waiting for a whole
 static batch to drain.
 
@@ -20,9 +18,8 @@ prompt and completion, finds them). The longest shared prefix, up to all but the
 for a few tokens: two questions that begin alike are computed together); a sequence left with
 only its last prompt token to feed is a decode row already and joins the next decode step without
 a forward of its own. Prefill forwards group sequences of similar length (a small DP over padding
-plus a per-forward cost), so one long prompt does not pad thirty short ones; the forward that also
-runs the step's decode (mixed, below) costs nothing of its own and pads only its attention, which
-the plan counts. Any weight change clears the prefix cache:
+plus a per-forward cost), so one long prompt does not pad thirty short ones. Any weight change
+clears the prefix cache:
 `paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
 checked before each prefill, catches an in-place optimizer step nobody announced.
 
@@ -50,21 +47,19 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from whale.engine.forwards import Forwards
-from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, draw_choices, fail_job, resolve_job,
+from whale.engine.base import Generation, draw_choices
+from whale.engine.forwards import Forwards, ModelHost
+from whale.engine.jobs import (ChoiceRow, Job, Seq, choice_rows, fail_job, resolve_job,
                                shared_with_live, start_job, weights_stamp)
 from whale.engine.kv import KVSlab, PrefixCache, common_prefix
 from whale.engine.lockstep import Lockstep, hold_left, is_due, next_busy_step
 from whale.engine.prefill import plan_chunks, prompt_cols, suffix_len, tree_len
 from whale.sysmem import release_free_memory
-
-if TYPE_CHECKING:  # the engine owns the scheduler; imported for types only (a real cycle otherwise)
-    from whale.engine.hf import HFEngine
 
 MIN_SHARED = 16  # a prefix shorter than this is recomputed rather than waited for
 PREFILL_TOKENS = 4096  # padded query tokens per prefill forward
@@ -74,20 +69,35 @@ CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (
 IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
 
 
+class SchedulerHost(ModelHost, Protocol):
+    """What the scheduler needs of the engine that owns it (engine/hf.py's HFEngine), beyond its
+    forwards' `ModelHost`: the batch's width, the vocabulary (a scoring forward's logits), the
+    engine thread's OpenMP count, and how a finished sample or a drawn choice becomes the
+    `Generation` its caller gets (the tokenizer is the engine's)."""
+
+    max_batch_size: int
+    vocab_size: int
+    cpu_threads: int | None
+
+    def finish_generation(self, s: Seq) -> Generation: ...
+
+    def choice_generation(self, job: Job, pick: int) -> Generation: ...
+
+
 def _new_stats() -> dict[str, float]:
     return {"prefill_tokens_requested": 0, "prefill_tokens_computed": 0, "prefill_tokens_padded": 0,
-            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0, "mixed_forwards": 0,
+            "choice_tokens": 0, "decode_tokens": 0, "decode_steps": 0, "prefill_forwards": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "step_seconds": 0.0, "prefix_hits": 0, "cache_clears": 0,
             "max_live_rows": 0, "slab_peak_bytes": 0, "slab_storage_peak_bytes": 0, "prefix_peak_bytes": 0,
             "slab_fresh_bytes": 0, "slab_fresh_seconds": 0.0}
 
 
 class Scheduler:
-    """Continuous batching over `engine.model`; see the module docstring."""
+    """Continuous batching over `host.model`; see the module docstring."""
 
-    def __init__(self, engine: "HFEngine", prefix_cache_bytes: int):
-        self.engine = engine
-        self.slab = KVSlab(engine.model.config.get_text_config().num_hidden_layers, engine.device)
+    def __init__(self, host: SchedulerHost, prefix_cache_bytes: int):
+        self.host = host
+        self.slab = KVSlab(host.model.config.get_text_config().num_hidden_layers, host.device)
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.rows: list[Seq] = []  # live sequences; rows[i] is in slab row i
         self.waiting: list[Seq] = []
@@ -101,7 +111,7 @@ class Scheduler:
         self.gates: list[Lockstep] = []  # open locksteps (engine/lockstep.py)
         self.step_no = 0  # the engine's clock under a lockstep: one per step, jumps over idle steps
         self.stats = _new_stats()
-        self.forwards = Forwards(engine, self.slab, self.stats)  # runs the model; see engine/forwards.py
+        self.forwards = Forwards(host, self.slab, self.stats)  # runs the model; see engine/forwards.py
 
     # ------------------------------------------------------------------ other threads
 
@@ -137,6 +147,16 @@ class Scheduler:
             uniforms = (1.0 - torch.rand(job.max_new, generator=gen)).tolist()  # in (0, 1]
             out.append(Seq(job, i, job.prompt, prompt_np, uniforms, window))
         return out
+
+    def open_gate(self, gate: Lockstep) -> None:
+        """A lockstep opens: its clients' calls are admitted by its clock from now on (under `cond`)."""
+        with self.cond:
+            self.gates.append(gate)
+
+    def close_gate(self, gate: Lockstep) -> None:
+        with self.cond:
+            if gate in self.gates:
+                self.gates.remove(gate)
 
     @contextmanager
     def paused(self):
@@ -239,7 +259,7 @@ class Scheduler:
         """Waiting sequences for the free rows (FIFO) and all waiting choice jobs; drops cancelled ones."""
         if self.pauses:
             return [], []
-        free = self.engine.max_batch_size - len(self.rows)
+        free = self.host.max_batch_size - len(self.rows)
         if self.gates:  # lockstep: the episodes' order, not their arrival (stable: samples stay in order)
             self.waiting.sort(key=lambda s: -1 if s.job.order is None else s.job.order)
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
@@ -258,23 +278,22 @@ class Scheduler:
         return admitted, choice_jobs
 
     def _step(self, admitted: list[Seq], choice_jobs: list[Job]) -> None:
-        threads = self.engine.cpu_threads
+        threads = self.host.cpu_threads
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)  # this thread's OpenMP count (it is per thread)
         if admitted or choice_jobs:
-            stamp = weights_stamp(self.engine.model)
+            stamp = weights_stamp(self.host.model)
             if stamp != self.stamp:  # weights changed under us: nothing stored is valid any more
                 self._clear_prefix()
                 self.stamp = stamp
-        decoded = False
         if admitted:
-            decoded = self._prefill(admitted, first_row=len(self.rows), mix=self.forwards.can_mix())
+            self._prefill(admitted, first_row=len(self.rows))
             self.rows.extend(sorted(admitted, key=lambda s: s.row))
             self.stats["max_live_rows"] = max(self.stats["max_live_rows"], len(self.rows))
             self._retire()
         if choice_jobs:
             self._score(choice_jobs)
-        if self.rows and not decoded:
+        if self.rows:
             self.forwards.decode(self.rows)
             self._retire()
         stats = self.stats
@@ -318,12 +337,9 @@ class Scheduler:
             best = (None, entry, n)
         return best if best[2] >= MIN_SHARED else (None, None, 0)
 
-    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int, mix: bool = False) -> bool:
-        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring).
-        With `mix`, the last forward also runs the decode step of every row below its own (the live
-        rows and the sequences prefilled before it): returns whether it did, i.e. the step's decode
-        is done."""
-        pending, done, row, decoded = list(items), [], first_row, False
+    def _prefill(self, items: list[Seq] | list[ChoiceRow], first_row: int) -> None:
+        """Prefill `items` into slab rows from `first_row` on, in rounds (see the module docstring)."""
+        pending, done, row = list(items), [], first_row
         while pending:
             this_round: list[tuple[Any, tuple]] = []
             later = []
@@ -342,10 +358,8 @@ class Scheduler:
             ready, rest = [], []
             for x in this_round:
                 (ready if isinstance(x[0], Seq) and suffix_len(x[0], x[1][2]) == 1 else rest).append(x)
-            # the last forward will ride the step's decode if there are rows to decode by then
-            mixing = mix and not later and bool(rest) and bool(self.rows or done or ready)
-            chunks = ([ready] if ready else []) + self._chunks(rest, mixing)
-            for i, chunk in enumerate(chunks):
+            chunks = ([ready] if ready else []) + self._chunks(rest)
+            for chunk in chunks:
                 for item, source in chunk:
                     item.row, row = row, row + 1
                 self.slab.reserve(row, max(len(it.prompt) + tree_len(it) + 1 for it, _ in chunk))
@@ -363,21 +377,17 @@ class Scheduler:
                         item.kv_len = item.start
                         self.stats["prefill_tokens_requested"] += len(item.prompt)
                         self.stats["prefill_tokens_computed"] += 1
-                elif mix and not later and i == len(chunks) - 1 and self.forwards.mixable(self.rows + done):
-                    self.forwards.mixed(self.rows + done, [item for item, _ in chunk])  # done: rows in order
-                    decoded = True
                 else:
                     self.forwards.prefill([item for item, _ in chunk])
                 done.extend(item for item, _ in chunk)
             pending = later
-        return decoded
 
-    def _chunks(self, items: list[tuple[Any, tuple]], last_mixed: bool = False) -> list[list[tuple[Any, tuple]]]:
-        """Split `items` (sorted longest first) into forwards within the token and logits budgets;
-        `last_mixed`: the last one is a mixed forward (engine/prefill.py `plan_chunks`)."""
+    def _chunks(self, items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
+        """Split `items` (sorted longest first) into forwards within the token and logits budgets
+        (engine/prefill.py `plan_chunks`)."""
         spans = plan_chunks([suffix_len(item, source[2]) for item, source in items],
-                            [tree_len(item) + 1 for item, _ in items], self.engine.vocab_size,
-                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS, last_mixed)
+                            [tree_len(item) + 1 for item, _ in items], self.host.vocab_size,
+                            PREFILL_TOKENS, CHOICE_LOGITS_BYTES, FORWARD_TOKENS)
         return [items[i:j] for i, j in spans]
 
     # ------------------------------------------------------------------ choices
@@ -397,7 +407,7 @@ class Scheduler:
                 continue
             scored[key] = job
             job.scores = torch.zeros(len(job.choice_ids))
-            rows += choice_rows(job, max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.engine.vocab_size) - 1)))
+            rows += choice_rows(job, max(1, min(CHOICE_ROW_TOKENS, CHOICE_LOGITS_BYTES // (4 * self.host.vocab_size) - 1)))
         self._prefill(rows, first_row=len(self.rows))
         remembered = set()
         for row in rows:  # the prompt's KV, for the episode's next call (a chess move loop)
@@ -408,8 +418,8 @@ class Scheduler:
             if job.kind == "score":
                 job.results = [job.scores.clone()]
             else:
-                picks = draw_choices(job.scores, job.seeds, job.sampling.temperature)
-                job.results = [self.engine.choice_generation(job, c) for c in picks]
+                picks = draw_choices(job.scores.tolist(), job.seeds, job.sampling.temperature)
+                job.results = [self.host.choice_generation(job, c) for c in picks]
             resolve_job(job)
 
     def _retire(self) -> None:
@@ -420,7 +430,7 @@ class Scheduler:
             if s.finish is not None:
                 fed = s.prompt + s.ids[:-1]
                 self._remember(np.asarray(fed, dtype=np.int64), row, s.kv_len)
-                s.job.results[s.index] = self.engine.finish_generation(s)
+                s.job.results[s.index] = self.host.finish_generation(s)
                 s.job.remaining -= 1
                 if s.job.remaining == 0:
                     resolve_job(s.job)

@@ -57,8 +57,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams, wait_all, weights_kind
-from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
+from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, draw_choices, wait_all,
+                               weights_kind)
+from whale.engine.openai import HTTPFailure, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
 from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, server_cli_args
@@ -281,6 +282,25 @@ class VLLMEngine:
             self._register_adapter(self._adapter_path, self.weights_version)
         else:
             raise RuntimeError(f"the server no longer serves the adapter of weights {self.weights_version!r}")
+
+    # ------------------------------------------------------------------ clients on other machines
+
+    def client_spec(self) -> dict[str, Any]:
+        """What another process needs to build its own client of this server (a Ray worker's,
+        whale/executor.py): `VLLMEngine(**client_spec())`."""
+        return {"model": self.model, "base_url": self.base_url, "max_model_len": self.max_model_len}
+
+    def routing(self) -> dict[str, Any]:
+        """Where requests go now: the server, its base model's name and context, the weights version
+        and the adapter that serves it. Another client of the same server takes it with `follow`."""
+        return {"base_url": self.base_url, "served_name": self.served_name, "server_max_len": self.server_max_len,
+                "weights_version": self.weights_version, "route": self._route}
+
+    def follow(self, routing: dict[str, Any]) -> None:
+        """Send requests where the client that gave `routing` (its `routing()`) sends them."""
+        self.base_url, self.served_name = routing["base_url"], routing["served_name"]
+        self.server_max_len, self.weights_version = routing["server_max_len"], routing["weights_version"]
+        self._route = routing["route"]
 
     def _model_for(self, version: str) -> str:
         """The served model name for requests submitted under `version`."""

@@ -140,8 +140,7 @@ class RolloutRunner:
         self.sampling = sampling_from_config(cfg)
         self.budget = cfg.domain.budget
         self.tool_executor = ThreadPoolExecutor(8, thread_name_prefix="whale-tools")
-        grader = domain.grader() if hasattr(domain, "grader") else domain.grade
-        self._grader = grader
+        self._grader = domain.grader()  # picklable: runs in the grader processes
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
         # the next run's fork server, launched as each run ends (whale/harness/fork_server.py)
@@ -182,10 +181,6 @@ class RolloutRunner:
         mode = self.cfg.runner.lockstep
         if mode == "never" or (mode == "eval" and purpose != "eval"):
             return None
-        lockstep = getattr(type(self.engine), "lockstep", None)
-        if lockstep is None:  # an engine written before the capability existed: say what it lacks
-            raise TypeError(f"{type(self.engine).__name__} does not declare Engine.lockstep; return None from "
-                            "it if the engine cannot batch deterministically (or set runner.lockstep: never)")
         return self.engine.lockstep(clients, self.cfg.runner.lockstep_hold_s)
 
     async def _run(self, source, problems, samples, harness_id, seed, purpose, progress, on_episode):
@@ -432,7 +427,7 @@ class RolloutRunner:
                                                 after_calls=len(traj.calls)))
                 if error is not None:
                     await reply({"id": mid, "error": error, "fatal": False, "state": env.public_state()})
-                    if getattr(env, "fatal_error", None):
+                    if env.fatal_error:
                         return env.fatal_error
                 else:
                     await reply({"id": mid, "ok": result, "state": env.public_state()})

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from whale.harness.trajectory import Trajectory
-from whale.store import atomic_write
+from whale.store import atomic_write, file_sha256
 
 STATUSES = ("pending", "valid", "invalid", "duplicate")
 
@@ -73,10 +73,6 @@ def code_hash(source: str) -> str:
     except SyntaxError:
         norm = "\n".join(line.rstrip() for line in source.replace("\r\n", "\n").split("\n")).strip()
     return hashlib.sha256(norm.encode()).hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def id_number(cid: str) -> int:
@@ -132,7 +128,7 @@ class Archive:
             self._scores[meta["id"]] = json.loads(scores_path.read_text()) if scores_path.exists() else {}
             code = meta_path.parent / "harness.py"
             if "source_sha256" not in meta and code.is_file():  # written before pinning: pin what is there
-                meta["source_sha256"] = _file_sha256(code)
+                meta["source_sha256"] = file_sha256(code)
 
     # ----- candidates -------------------------------------------------------------------------
     def ids(self) -> list[str]:
@@ -174,7 +170,7 @@ class Archive:
         os.chmod(path, 0o444)  # a guard against accidents; the pin below is the guarantee
         meta = {"id": cid, "parent": parent, "proposer": proposer, "hypothesis": hypothesis,
                 "mechanism": mechanism, "notes": notes, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "code_hash": code_hash(source), "source_sha256": _file_sha256(path),
+                "code_hash": code_hash(source), "source_sha256": file_sha256(path),
                 "status": "pending", "reason": ""}
         self._meta[cid] = meta
         self._scores[cid] = {}

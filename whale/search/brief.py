@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from whale.config import Config
+from whale.domains.base import Domain
 
 CONTRACT = """\
 A harness is ONE Python file that defines
@@ -100,7 +101,7 @@ Only scores measured under the current weights version (`{version}`) are compara
 """
 
 
-def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
+def make_brief(domain: Domain, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
                frontier: list[dict[str, Any]] | None = None, prompt_only: bool = False,
                base_source: str | None = None, archive_path: str = "archive/",
                diagnoses: dict[str, str] | None = None, hints: str = "") -> str:
@@ -118,7 +119,7 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
         f"Budgets here: {b.llm_calls} LLM calls, {b.tool_calls} tool calls, {b.tokens} tokens, "
         f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
         f"at most {cfg.sampling.max_tokens_cap}.\n",
-        "\n## The domain\n\n", str(getattr(domain, "brief", "")).strip() + "\n",
+        "\n## The domain\n\n", domain.brief.strip() + "\n",
         *(["\n## Hints for this domain\n\n", hints.strip() + "\n"] if hints.strip() else []),
         "\n## What to read\n\n", READ.format(archive=archive_path, version=weights_version),
         "\n## Where things stand\n\n",

@@ -44,10 +44,10 @@ class ProposerStopped(RuntimeError):
 class Proposer(Protocol):
     """Writes up to `n` candidates. A failure (crash, timeout, nothing written, endpoint down)
     never raises: `propose` returns what it has (maybe []) and says why in `last_error`.
-    `last_usage` is what the last round spent: seconds, and tokens / cost_usd where known.
-    `name` is what the archive records as each candidate's proposer."""
+    `last_usage` is what the last round spent: seconds, and tokens / cost_usd where known; both
+    are reset by every `propose`. `name` is what the archive records as each candidate's proposer."""
 
-    name: str
+    name: str  # "mutation", "chat", "agent_cli"
     last_error: str | None
     last_usage: dict[str, float]
 

@@ -28,13 +28,12 @@ training on the saved rows instead of redoing the rollouts.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from whale.harness.trajectory import Trajectory
 from whale.harness.usage import decide_usage
+from whale.store import atomic_write
 
 
 @dataclass
@@ -104,20 +103,7 @@ def rows_from_trajectories(trajs: list[Trajectory], max_length: int | None = Non
 def save_rows(path: str | Path, rows: list[TrainingRow]) -> None:
     """Write rows as jsonl atomically (a temp file renamed over `path`), so a kill leaves either
     the complete file or none — its existence is what tells a resumed step to skip rollouts."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(asdict(row), separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, "".join(json.dumps(asdict(row), separators=(",", ":")) + "\n" for row in rows))
 
 
 def load_rows(path: str | Path) -> list[TrainingRow]:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from whale.config import WeightConfig
 from whale.domains.base import Problem
 from whale.harness.trajectory import Trajectory
-from whale.store import kill_point
+from whale.store import atomic_write, kill_point
 from whale.weights.rows import load_rows, rows_from_trajectories, save_rows
 
 
@@ -224,7 +224,7 @@ class RSFT:
         if self.on_rollouts is not None:
             self.on_rollouts(meta)  # counted before persisted: the ledger is never behind the disk
         rows_path = self.rows_path(step_index)
-        _write_json_atomic(rows_path.with_suffix(".meta.json"), meta)  # meta first: the rows file marks completion
+        atomic_write(rows_path.with_suffix(".meta.json"), json.dumps(meta, indent=1))  # meta first: the rows file marks completion
         save_rows(rows_path, rows)
         kill_point(f"rows@w{step_index}")
         return trajs, rows, meta
@@ -242,13 +242,6 @@ class RSFT:
             raise ValueError("the engine does not serve the trained model in place; RSFT needs a weights_dir "
                              "to save the new weights for it")
         self.engine.load_weights(str(path), version)
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def steps_for_epochs(stream: ProblemStream, epochs: float) -> int:
