@@ -9,6 +9,7 @@ confirmation re-runs and null probes, not only the rows its iterations logged.
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import matplotlib
@@ -238,6 +239,26 @@ def attribution_figure(parts: dict[str, list[dict]], totals: dict[str, tuple], t
     return fig
 
 
+def compare_figure(by_method: dict[str, list[dict]], axis: str) -> Figure:
+    """Test mean@k of every run, coloured by method, each with its evaluations' 95% CI band."""
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for ci, (method, runs) in enumerate(by_method.items()):
+        for j, run in enumerate(runs):
+            evals = [x for x in run["rows"] if x.get("event") == "eval" and x.get("split") == "test"]
+            if not evals:
+                continue
+            xs, ys = [x_value(x, axis) for x in evals], [x["mean_at_k"] for x in evals]
+            ax.plot(xs, ys, "o-", color=f"C{ci}", alpha=0.8, ms=3, label=method if j == 0 else None)
+            if all(x.get("ci95") for x in evals):
+                ax.fill_between(xs, [x["ci95"][0] for x in evals], [x["ci95"][1] for x in evals], color=f"C{ci}",
+                                alpha=0.06, lw=0)
+    ax.set_xlabel("cumulative budget rollouts" if axis == "rollouts" else "cumulative tokens")
+    ax.set_ylabel("test mean@k (bands: 95% CI per run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def save_png(fig: Figure, path) -> None:
     fig.savefig(path, dpi=120)
 
@@ -248,7 +269,7 @@ def to_svg(fig: Figure) -> str:
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "whale"}):
         fig.savefig(buf, format="svg")
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return re.sub(r"<metadata>.*?</metadata>\s*", "", text[text.index("<svg"):], flags=re.S)
 
 
 def close(fig: Figure | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import difflib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -229,5 +230,18 @@ def write_html(run_dir: Path, rows: list[dict], state: dict, cfg: dict, sections
         proposer_calls=calls, usage_keys=usage_keys, usage_totals=usage_totals,
         matrix_png=matrix_image(run_dir), clip_chars=CLIP_CHARS)
     path = run_dir / "report" / "report.html"
+    path.write_text(page)
+    return path
+
+
+def write_compare_html(out: Path, lines: list[str], figs: dict[str, Any], run_dirs: list[str]) -> Path:
+    """compare.html: compare.md's tables and the overlay curves (with each run's 95% CI) as inline SVG."""
+    page = environment().get_template("compare.html.j2").render(
+        title=next((line[2:] for line in lines if line.startswith("# ")), "Comparison"),
+        body=markdown([line for line in lines if not line.startswith("# ")]),
+        svgs={stem: Markup(plots.to_svg(fig)) for stem, fig in figs.items()}, run_dirs=run_dirs,
+        reports=[os.path.relpath(page, out) if page.is_file() else None
+                 for page in (Path(d) / "report" / "report.html" for d in run_dirs)])
+    path = out / "compare.html"
     path.write_text(page)
     return path
