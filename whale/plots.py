@@ -28,7 +28,7 @@ PHASE_COLORS_STRONG = {"W": "#4c8ed1", "H": "#d8774f"}
 # Ledger purposes spent inside a harness phase (smoke: candidate validation; null_probe: the
 # reward-hacking probe); both recorded only, so they move the token axis, not the budget one.
 HARNESS_PURPOSES = ("harness", "rescore", "confirm", "null_probe", "smoke")
-MAX_MARK_LABELS = 12  # weights versions labelled on a curve; more are drawn unlabelled
+MIN_LABEL_GAP = 0.025  # of the x extent between two labelled weights versions (closer ones: line only)
 
 
 def x_value(row: dict, axis: str) -> float:
@@ -110,10 +110,13 @@ def curve_figure(rows: list[dict], spans: list[tuple[str, str, float, float]], a
                                       [max(0.0, c[1] - y) for y, c in zip(ys, cis)]],
                         fmt="none", ecolor=line.get_color(), capsize=2, lw=0.8)
     versions = [r for r in rows if r.get("event") == "weight_step" and r.get("weights_version")]
+    extent = max((x_value(r, axis) for r in rows), default=0) or 1
+    labelled_at = float("-inf")
     for r in versions:
         x = x_value(r, axis)
         ax.axvline(x, color=PHASE_COLORS_STRONG["W"], lw=0.6, ls=":")
-        if len(versions) <= MAX_MARK_LABELS:
+        if x - labelled_at >= MIN_LABEL_GAP * extent:  # labels that would overlap are left out
+            labelled_at = x
             ax.text(x, 0.02, r["weights_version"], rotation=90, fontsize=6, color=PHASE_COLORS_STRONG["W"],
                     transform=ax.get_xaxis_transform(), ha="right", va="bottom")
     for r in rows:
