@@ -203,7 +203,8 @@ def lineage_figure(summary: list[dict], accepted: list[str]) -> Figure | None:
         mech = (r.get("mechanism") or r.get("hypothesis") or ("start" if not r.get("parent") else "")).strip()
         mech = mech.splitlines()[0][:32] if mech else ""
         bold = r["id"] in accepted
-        ax.annotate(f"{r['id']}{' ✓' if bold else ''}" + (f": {mech}" if mech else ""), pos[(r["id"], r.get("weights_version"))],
+        ax.annotate(f"{r['id']}{' ✓' if bold else ''}" + (f": {mech}" if mech else ""),
+                    pos[(r["id"], r.get("weights_version"))],
                     fontsize=6.5, xytext=(3, 3), textcoords="offset points", rotation=20,
                     fontweight="bold" if bold else "normal")
     ids = sorted({num(r["id"]) for r in summary})

@@ -49,7 +49,8 @@ def environment() -> Environment:
 
 def clip(value: Any, limit: int = CLIP_CHARS) -> str:
     text = as_text(value)
-    return text if len(text) <= limit else text[:limit] + f"\n… ({len(text) - limit} more characters in the run directory)"
+    cut = len(text) - limit
+    return text if cut <= 0 else text[:limit] + f"\n… ({cut} more characters in the run directory)"
 
 
 def as_text(value: Any) -> str:
@@ -195,7 +196,8 @@ def verdict(meta: dict, events: list[dict], accepted_in: dict[str, str]) -> dict
 def diff(parent: dict[str, Any], node: dict[str, Any]) -> str:
     if parent["source"] is None or node["source"] is None:
         return ""
-    return "".join(difflib.unified_diff(parent["source"].splitlines(keepends=True), node["source"].splitlines(keepends=True),
+    return "".join(difflib.unified_diff(parent["source"].splitlines(keepends=True),
+                                        node["source"].splitlines(keepends=True),
                                         fromfile=f"{parent['id']}/harness.py", tofile=f"{node['id']}/harness.py"))
 
 
@@ -225,7 +227,8 @@ def write_html(run_dir: Path, rows: list[dict], state: dict, cfg: dict, sections
     page = environment().get_template("report.html.j2").render(
         name=cfg.get("name", run_dir.name), run_dir=str(run_dir), cfg=cfg, state=state,
         environment=json.loads(env_path.read_text()) if env_path.is_file() else {},
-        md={k: markdown(_without_title(k, v)) for k, v in sections.items()}, svgs=svgs, spans=spans, titles=SECTION_TITLES,
+        md={k: markdown(_without_title(k, v)) for k, v in sections.items()}, svgs=svgs, spans=spans,
+        titles=SECTION_TITLES,
         tree=lineage_tree(run_dir, rows), evals=eval_traces(run_dir, rows),
         proposer_calls=calls, usage_keys=usage_keys, usage_totals=usage_totals,
         matrix_png=matrix_image(run_dir), clip_chars=CLIP_CHARS)
