@@ -15,6 +15,7 @@ from test_run import TESTS, tiny_config
 from whale.compare import compare_runs
 from whale.plots import close, lineage_figure, phase_spans, to_svg
 from whale.report import write_report
+from whale.report_html import episode_view, sample_episodes
 from whale.run import run_experiment
 
 SECTIONS = ["summary", "curves", "phases", "lineage", "evaluations", "weights", "ledger"]
@@ -81,6 +82,17 @@ def test_lineage_ticks_are_candidates_and_points_name_their_mechanism():
     svg = to_svg(fig)
     close(fig)
     assert "h1: majority_vote" in svg and "h2 ✓: retry when the answer is empty" in svg
+
+
+def test_traces_show_failed_and_solved_episodes_of_different_problems_in_call_order():
+    rows = [{"problem_id": p, "reward": r, "sample": i, "calls": [], "tool_calls": []}
+            for i, (p, r) in enumerate([("a", 0), ("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("b", 1)])]
+    assert [(e["problem_id"], e["sample"], e["solved"]) for e in sample_episodes(rows)] == \
+        [("a", 0, False), ("b", 2, False), ("a", 3, True), ("b", 5, True)]
+    calls = [{"completion": "search it"}, {"completion": "Paris"}]
+    tools = [{"name": "submit", "after_calls": 2}, {"name": "search", "after_calls": 1}, {"name": "log", "after_calls": None}]
+    steps = episode_view({"calls": calls, "tool_calls": tools, "reward": 1.0})["steps"]
+    assert [s.get("name") or s["completion"] for s in steps] == ["search it", "search", "Paris", "submit", "log"]
 
 
 def test_the_page_holds_every_section_and_needs_nothing_from_outside(short_run):

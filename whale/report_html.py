@@ -110,10 +110,10 @@ def sample_episodes(rows: list[dict[str, Any]], n: int = EPISODES_PER_GROUP) -> 
     out = []
     for solved in (False, True):
         group = [r for r in rows if (float(r.get("reward") or 0.0) >= 1.0) == solved]
-        seen: set[str] = set()
-        picked = [r for r in group if not (r.get("problem_id") in seen or seen.add(r.get("problem_id")))][:n]
-        picked += [r for r in group if r not in picked][: n - len(picked)]
-        out += [episode_view(r) for r in picked]
+        first_of_problem = list({r.get("problem_id"): i for i, r in reversed(list(enumerate(group)))}.values())
+        picked = sorted(first_of_problem)[:n]
+        picked += [i for i in range(len(group)) if i not in picked][: n - len(picked)]
+        out += [episode_view(group[i]) for i in picked]
     return out
 
 
