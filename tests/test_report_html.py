@@ -133,15 +133,19 @@ def chromium_path() -> str | None:
 
 
 @pytest.mark.browser
-def test_the_page_in_a_real_browser(short_run, tmp_path):
+def test_the_page_in_a_real_browser(request, tmp_path):
     """Headless Chromium opens the page from disk, finds each section, opens a candidate's diff and
-    an evaluation's trace, and takes a screenshot; no request leaves the page's own file."""
+    an evaluation's trace, and takes a screenshot; no request leaves the page's own file.
+
+    The page is the short run's, or any run's with WHALE_REPORT_PAGE (the demo's:
+    `whale demo && WHALE_REPORT_PAGE=runs/demo/report/report.html pytest -m browser`)."""
     if chromium_path() is None:
         pytest.skip("no chromium binary (apt-get install chromium, or set WHALE_CHROMIUM)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     shots = Path(os.environ.get("WHALE_SCREENSHOTS", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
-    page_path = short_run / "report" / "report.html"
+    given = os.environ.get("WHALE_REPORT_PAGE")
+    page_path = Path(given).resolve() if given else request.getfixturevalue("short_run") / "report" / "report.html"
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -154,7 +158,8 @@ def test_the_page_in_a_real_browser(short_run, tmp_path):
         diff = page.locator("details.diff-box").first
         assert not diff.locator("pre").is_visible()
         diff.locator("summary").click()
-        assert diff.locator("pre").is_visible() and "+++ h1/harness.py" in diff.locator("pre").inner_text()
+        text = diff.locator("pre").inner_text()
+        assert diff.locator("pre").is_visible() and re.search(r"^\+\+\+ h\d+/harness.py$", text, re.M), text[:200]
         trace = page.locator("details.eval-traces").first
         trace.locator("> summary").click()
         episode = trace.locator("details.episode").first
