@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # Install WHALE and what its offline default needs, into the current Python environment.
 # Idempotent: quick when everything is already there.
+#   bash scripts/install.sh           what `whale demo` needs
+#   bash scripts/install.sh --test    also what the whole test suite runs: the pinned coding-agent
+#                                     CLIs (npm) and headless Chromium for the report page's test
 set -euo pipefail
+FOR_TESTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) FOR_TESTS=1 ;;
+    *) echo "usage: bash scripts/install.sh [--test]" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -21,4 +31,18 @@ if ! command -v bwrap >/dev/null 2>&1; then
   else
     echo "warning: bubblewrap (bwrap) not found; install it for the strong sandbox (docs/sandbox.md)" >&2
   fi
+fi
+# Headless Chromium for the browser test of report.html (tests/test_report_html.py, marker `browser`;
+# Playwright, from the test extra, drives this binary and downloads no browser of its own).
+if [ "$FOR_TESTS" = "1" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
+      || echo "warning: could not install chromium; the browser test will be skipped" >&2
+  else
+    echo "warning: chromium not found; the browser test of report.html will be skipped" >&2
+  fi
+fi
+# The coding-agent CLIs the agent_cli presets drive, at the pinned versions (tests/test_agent_cli.py).
+if [ "$FOR_TESTS" = "1" ]; then
+  bash scripts/install_agents.sh
 fi

@@ -110,6 +110,8 @@ def test_with_adds_another_runs_harnesses_and_report_includes_the_matrix(runs, t
     m.write()
     report = write_report(run).read_text()
     assert "## Harness x weights matrix" in report and "| h0 |" in report
+    page = (run / "report" / "report.html").read_text()  # the page shows it too, heatmap inline
+    assert '<section id="matrix">' in page and "<td>h0</td>" in page and 'src="data:image/png;base64,' in page
 
 
 def test_bad_inputs_get_one_clear_error(runs, tmp_path):

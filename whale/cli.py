@@ -236,16 +236,17 @@ def demo_cmd(
         report = write_report(run_dir)
     except ConfigError as e:
         _fail(str(e))
-    console.print(f"[green]demo finished[/]. Report: {report}")
+    console.print(f"[green]demo finished[/]. Report: {report}; the page to open: {report.with_suffix('.html')}")
 
 
 @app.command("report")
 def report_cmd(run_dir: str):
-    """Write RUN_DIR/report/report.md and plots."""
+    """Write RUN_DIR/report/report.md with plots, and report.html (one self-contained page to open)."""
     from whale.report import write_report
 
     try:
-        console.print(f"report: {write_report(run_dir)}")
+        md = write_report(run_dir)
+        console.print(f"report: {md}\npage: {md.with_suffix('.html')}")
     except ConfigError as e:
         _fail(str(e))
 
@@ -264,6 +265,7 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
     except ConfigError as e:
         _fail(str(e))
     console.print(Path(path).read_text())
+    console.print(f"page: {Path(path).with_suffix('.html')}")
 
 
 @app.command("matrix")
@@ -281,6 +283,7 @@ def matrix_cmd(
     except ConfigError as e:
         _fail(str(e))
     console.print(Path(path).read_text())
+    console.print(f"page: {Path(path).with_suffix('.html')}")
 
 
 @harness_app.command("validate")

@@ -1,4 +1,5 @@
-"""Several runs side by side: `compare_runs(dirs)` writes compare.md and overlay plots.
+"""Several runs side by side: `compare_runs(dirs)` writes compare.md, overlay plots and compare.html
+(the same tables and the curves with their intervals on one self-contained page).
 
 The paper-style table (best / final / val-selected mean@k, rollouts, wall time) with seeds
 aggregated per method; paired bootstrap differences against reference methods (seeds x problems,
@@ -12,14 +13,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display (as in report.py)
-import matplotlib.pyplot as plt  # noqa: E402
-
-from whale.config import ConfigError  # noqa: E402
-from whale.report import fmt, load_run, paired_bootstrap, phase_attribution, x_value  # noqa: E402
-from whale.store import load_summary  # noqa: E402
+from whale import plots
+from whale.config import ConfigError
+from whale.report import fmt, load_run, paired_bootstrap, phase_attribution, x_value
+from whale.report_html import write_compare_html
+from whale.store import load_summary
 
 
 def _method(cfg: dict) -> str:
@@ -103,21 +101,16 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", refere
                 xs = [_last_sources(r["rows"]).get(src) for r in by_method[m]]
                 vals.append(_mean_sd(xs))
             lines.append(f"| {m} | " + " | ".join(vals) + " |")
-    for axis in ("rollouts", "tokens"):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for ci, m in enumerate(methods):
-            for j, r in enumerate(by_method[m]):
-                pts = [(x_value(x, axis), x["mean_at_k"]) for x in r["rows"] if x.get("event") == "eval" and x.get("split") == "test"]
-                if pts:
-                    ax.plot(*zip(*pts), "o-", color=f"C{ci}", alpha=0.8, ms=3, label=m if j == 0 else None)
-        ax.set_xlabel(f"cumulative budget {axis}" if axis == "rollouts" else "cumulative tokens")
-        ax.set_ylabel("test mean@k")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"compare_{axis}.png", dpi=120)
-        plt.close(fig)
+    figs = {f"compare_{axis}": plots.compare_figure(by_method, axis) for axis in ("rollouts", "tokens")}
     lines += ["", "![test mean@k vs rollouts](compare_rollouts.png)", "", "![test mean@k vs tokens](compare_tokens.png)", ""]
     (out / "compare.md").write_text("\n".join(lines))
+    try:
+        for stem, fig in figs.items():
+            plots.save_png(fig, out / f"{stem}.png")
+        write_compare_html(out, lines, figs, [str(r["dir"]) for runs in by_method.values() for r in runs])
+    finally:
+        for fig in figs.values():
+            plots.close(fig)
     return out / "compare.md"
 
 

@@ -1,9 +1,9 @@
 """Reports: where each rollout went and what it bought.
 
-`write_report(run_dir)` turns one run's metrics.jsonl and archive into report/report.md and plots
-(test/val mean@k against cumulative budget rollouts and tokens with the phases shaded, the weight
-phase's accept rate, the harness lineage). Several runs side
-by side: whale/compare.py.
+`write_report(run_dir)` turns one run's metrics.jsonl and archive into report/report.md with PNG
+plots (whale/plots.py) and report/report.html, the same sections on one self-contained page with
+the harness lineage, diffs and traces to open (whale/report_html.py). Several runs side by side:
+whale/compare.py.
 
 The three test numbers are reported together on purpose: "best" is the paper's (the maximum of
 the test curve, i.e. selected on test), "val-selected" is the honest one.
@@ -16,122 +16,45 @@ import random
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import yaml
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from whale.config import ConfigError  # noqa: E402
-from whale.store import BUDGET_PURPOSES, read_metrics  # noqa: E402
-
-PHASE_COLORS = {"weight": "#dbe9f6", "harness": "#f6e3db"}
-PHASE_COLORS_STRONG = {"W": "#4c8ed1", "H": "#d8774f"}
-
+from whale import plots
+from whale.config import ConfigError
+from whale.plots import x_value  # noqa: F401  (compare.py reads it from here)
+from whale.report_html import event_note, fmt_p, write_html  # noqa: F401  (fmt_p: read from here too)
+from whale.store import BUDGET_PURPOSES, load_summary, read_jsonl_rows, read_metrics
 
 def load_run(run_dir: Path) -> tuple[list[dict], dict, dict]:
     if not (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} has no metrics.jsonl (not a run directory, or the run has not started)")
-    import yaml
-
     rows = read_metrics(run_dir)
     state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {}
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     return rows, state, cfg
 
 
-def x_value(row: dict, axis: str) -> float:
-    led = row.get("ledger", {})
-    return led.get("budget_rollouts", 0) if axis == "rollouts" else led.get("tokens", 0)
+def lineage(run_dir: Path) -> list[dict]:
+    """harnesses/summary.jsonl: one row per evaluated (candidate, weights version)."""
+    return read_jsonl_rows(run_dir / "harnesses" / "summary.jsonl")
 
 
-def _phase_spans(rows: list[dict], axis: str) -> list[tuple[str, float, float]]:
-    spans: list[tuple[str, float, float]] = []
-    for r in rows:
-        ev = r.get("event", "")
-        phase = "weight" if ev == "weight_step" else ("harness" if ev in ("iteration_end", "candidate", "rescore")
-                                                      else None)
-        if phase is None:
-            continue
-        x = x_value(r, axis)
-        if spans and spans[-1][0] == phase:
-            spans[-1] = (phase, spans[-1][1], x)
-        else:
-            start = spans[-1][2] if spans else 0.0
-            spans.append((phase, start, x))
-    return spans
-
-
-def _curve_plot(rows: list[dict], axis: str, path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for phase, a, b in _phase_spans(rows, axis):
-        ax.axvspan(a, b, color=PHASE_COLORS[phase], lw=0)
-    for split, style in (("test", "o-"), ("val", "s--")):
-        pts = [(x_value(r, axis), r["mean_at_k"]) for r in rows if r.get("event") == "eval" and r.get("split") == split]
-        if pts:
-            ax.plot(*zip(*pts), style, label=f"{split} mean@k")
-    from matplotlib.patches import Patch
-
-    handles, _ = ax.get_legend_handles_labels()
-    handles += [Patch(color=c, label=f"{p} phase") for p, c in PHASE_COLORS.items()]
-    ax.legend(handles=handles, fontsize=8)
-    ax.set_xlabel("cumulative budget rollouts (weight + harness search)" if axis == "rollouts" else "cumulative tokens")
-    ax.set_ylabel("mean@k")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _accept_plot(rows: list[dict], path: Path) -> bool:
-    steps = [r for r in rows if r.get("event") == "weight_step"]
-    if not steps:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.plot([r["step"] for r in steps], [r["accept_rate"] for r in steps], "o-")
-    ax.set_xlabel("weight step")
-    ax.set_ylabel("training accept rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def _lineage(run_dir: Path) -> list[dict]:
-    p = run_dir / "harnesses" / "summary.jsonl"
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in open(p) if line.strip()]
-
-
-def _lineage_plot(run_dir: Path, accepted: list[str], path: Path) -> bool:
-    rows = _lineage(run_dir)
-    if not rows:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4))
-    versions = sorted({r.get("weights_version", "") for r in rows}, key=lambda v: [r.get("weights_version") for r in rows].index(v))
-    pos = {}
-    for i, r in enumerate(rows):
-        pos[(r["id"], r.get("weights_version"))] = (i, r.get("success_rate", 0.0))
-    for (cid, ver), (x, y) in pos.items():
-        meta_p = run_dir / "harnesses" / cid / "meta.json"
-        parent = json.loads(meta_p.read_text()).get("parent") if meta_p.exists() else None
-        if parent and (parent, ver) in pos:
-            px, py = pos[(parent, ver)]
-            ax.plot([px, x], [py, y], color="#bbbbbb", lw=0.8, zorder=1)
-    for ver_i, ver in enumerate(versions):
-        pts = [(x, y, cid) for (cid, v), (x, y) in pos.items() if v == ver]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, label=f"weights {ver}", zorder=2)
-        for x, y, cid in pts:
-            ax.annotate(cid + (" (accepted)" if cid in accepted else ""), (x, y), fontsize=7, xytext=(2, 3),
-                        textcoords="offset points", fontweight="bold" if cid in accepted else "normal")
-    ax.set_xlabel("candidate evaluation (order)")
-    ax.set_ylabel("success rate on D_harness")
-    ax.legend(fontsize=7)
-    ax.set_title("harness lineage (edges: parent -> child)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+def run_figures(run_dir: Path, rows: list[dict], name: str) -> dict[str, Figure]:
+    """The run's figures by file stem (report.md's PNGs, report.html's inline SVGs)."""
+    ledger = read_jsonl_rows(run_dir / "ledger.jsonl")
+    accepted = [r["accepted"] for r in rows if r.get("event") == "harness_accepted"]
+    figs = {f"accuracy_vs_{axis}": plots.curve_figure(rows, plots.phase_spans(ledger, rows, axis), axis,
+                                                       f"{name}: accuracy vs {axis}")
+            for axis in ("rollouts", "tokens")}
+    for stem, fig in (("accept_rate", plots.weight_steps_figure(rows)),
+                      ("lineage", plots.lineage_figure(lineage(run_dir), accepted))):
+        if fig is not None:
+            figs[stem] = fig
+    parts, totals = attribution(rows, ["test", "val"])
+    fig = plots.attribution_figure(parts, totals, f"{name}: gain by phase")
+    if fig is not None:
+        figs["phase_gains"] = fig
+    return figs
 
 
 def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
@@ -182,35 +105,21 @@ def phase_attribution(rows: list[dict], split: str) -> list[dict[str, Any]]:
     return out
 
 
-def _attribution_plot(parts: dict[str, list[dict]], totals: dict[str, tuple], path: Path, title: str) -> bool:
-    """Bars: the gain of each phase on the split evaluated most often, then start -> end per split."""
-    if not parts:
-        return False
-    split = max(parts, key=lambda k: len(parts[k]))
-    bars = [(p["phases"], p["gain"], p["ci95"], PHASE_COLORS_STRONG.get(p["phases"][0], "#999999")
-             if "+" not in p["phases"] else "#bbbbbb") for p in parts[split]]
-    bars += [(f"total ({k})", g, [lo, hi], "#666666") for k, (g, lo, hi) in totals.items()]
-    fig, ax = plt.subplots(figsize=(1.2 * len(bars) + 2.5, 3.6))
-    xs = range(len(bars))
-    gains = [b[1] for b in bars]
-    err = [[g - b[2][0] for g, b in zip(gains, bars)], [b[2][1] - g for g, b in zip(gains, bars)]]
-    ax.bar(xs, gains, 0.6, yerr=err, capsize=3, color=[b[3] for b in bars], edgecolor="black")
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
-    ax.set_ylabel(f"gain in mean@k (phases: {split})")
-    ax.set_title(title + " (paired 95% CI)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], dict[str, list[dict]], dict[str, tuple]]:
+def attribution(rows: list[dict], splits: list[str]) -> tuple[dict[str, list[dict]], dict[str, tuple]]:
+    """Phase attribution per split (those with two evaluations or more) and each split's start -> end gain."""
     parts = {split: phase_attribution(rows, split) for split in splits}
     parts = {k: v for k, v in parts.items() if v}
     totals: dict[str, tuple] = {}
+    for split in parts:
+        evals = [r for r in rows if r.get("event") == "eval" and r.get("split") == split and r.get("per_problem")]
+        if len(evals) >= 2:
+            totals[split] = paired_bootstrap([evals[-1]["per_problem"]], [evals[0]["per_problem"]])
+    return parts, totals
+
+
+def _attribution_lines(rows: list[dict], parts: dict[str, list[dict]], totals: dict[str, tuple]) -> list[str]:
     if not parts:
-        return [], parts, totals
+        return []
     lines = ["## Which phase bought how much", "",
              "Change in mean@k between consecutive evaluations, labelled by the phases run in between "
              "(W = weight phase, H = harness phase, numbered in order); paired bootstrap 95% intervals over "
@@ -222,15 +131,100 @@ def _attribution_lines(rows: list[dict], splits: list[str]) -> tuple[list[str], 
             ran = p["phases"] + "".join(f" ({q} changed nothing)" for q in p.get("idle", []))
             lines.append(f"| {split} | {ran} | {p['from']} → {p['to']} | {p['before']:.3f} → {p['after']:.3f} | "
                          f"{p['gain']:+.3f} | [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] | {p['budget_rollouts']} |")
-    for split in parts:
+    for split, (point, lo, hi) in totals.items():
         evals = [r for r in rows if r.get("event") == "eval" and r.get("split") == split and r.get("per_problem")]
-        if len(evals) >= 2:
-            point, lo, hi = totals[split] = paired_bootstrap([evals[-1]["per_problem"]], [evals[0]["per_problem"]])
-            lines += ["", f"**{split}, start → end: {evals[0]['mean_at_k']:.3f} → {evals[-1]['mean_at_k']:.3f}, "
-                      f"gain {point:+.3f}, paired 95% CI [{lo:+.3f}, {hi:+.3f}]** "
-                      f"({evals[-1].get('n')} problems × k={evals[-1].get('k')})."]
-    lines += ["", "![gain by phase](phase_gains.png)", ""]
-    return lines, parts, totals
+        lines += ["", f"**{split}, start → end: {evals[0]['mean_at_k']:.3f} → {evals[-1]['mean_at_k']:.3f}, "
+                  f"gain {point:+.3f}, paired 95% CI [{lo:+.3f}, {hi:+.3f}]** "
+                  f"({evals[-1].get('n')} problems × k={evals[-1].get('k')})."]
+    return lines + ["", "![gain by phase](phase_gains.png)", ""]
+
+
+def report_sections(run_dir: Path, rows: list[dict], state: dict, cfg: dict) -> dict[str, list[str]]:
+    """report.md, section by section (markdown lines); report.html renders the same sections."""
+    name = cfg.get("name", run_dir.name)
+    s = load_summary(run_dir)
+    led = state.get("ledger", {})
+    sched = cfg.get("schedule", {})
+    sections: dict[str, list[str]] = {}
+    sections["summary"] = [
+        f"# WHALE run report: {name}", "",
+        f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
+        f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
+        f"grader: **{cfg.get('domain', {}).get('grader')}**",
+        f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s" + (
+            "" if state.get("finished") else f" (**unfinished**: 'final' below is its latest evaluation; "
+            f"`whale run --resume {run_dir}` continues it)"),
+        *[f"- engine server recovered in {r['unit']}: {r['reason']}{'' if r.get('ok') else ' (failed)'}"
+          for r in rows if r.get("event") == "engine_recovered"], "",
+        "## Test mean@k", "", "| initial | final | best (paper's, selected on test) | val-selected (honest) |",
+        "|---|---|---|---|", f"| {fmt(s['initial'])} | {fmt(s['final'])} | {fmt(s['best'])} | {fmt(s['val_selected'])} |", ""]
+    lines = ["## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
+    for purpose, n in sorted(led.get("rollouts", {}).items()):
+        lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
+    sections["ledger"] = lines + [
+        "", f"LLM calls {led.get('llm_calls', 0)}, tokens {led.get('tokens', 0)} "
+        f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
+        f"proposer time {led.get('proposer_seconds', 0)} s.", "", *_proposer_lines(rows, led)]
+    sections["curves"] = ["![accuracy vs rollouts](accuracy_vs_rollouts.png)", "",
+                          "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
+    sections["phases"] = _attribution_lines(rows, *attribution(rows, ["test", "val"]))
+    sections["evaluations"] = _evaluation_lines(rows)
+    sections["weights"] = _weight_lines(rows)
+    sections["harness"] = _harness_lines(rows)
+    sections["matrix"] = _matrix_section(run_dir)
+    return sections
+
+
+def _evaluation_lines(rows: list[dict]) -> list[str]:
+    evals = [r for r in rows if r.get("event") == "eval"]
+    if not evals:
+        return []
+    lines = ["## Evaluations", "", "| unit | split | harness | weights | mean@k | 95% CI | pass@k | budget rollouts |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in evals:
+        ci = r.get("ci95", [0, 0])
+        lines.append(f"| {r['unit']} | {r['split']} | {r.get('harness')} | {r.get('weights_version')} | "
+                     f"{r['mean_at_k']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | {r['pass_at_k']:.3f} | {x_value(r, 'rollouts')} |")
+    last = evals[-1]
+    if last.get("per_source"):
+        lines += ["", f"Per data source (last evaluation, {last['split']}):", "", "| source | n | mean@k | pass@k |",
+                  "|---|---|---|---|"]
+        for src, v in last["per_source"].items():
+            lines.append(f"| {src} | {v['n']} | {v['mean_at_k']:.3f} | {v['pass_at_k']:.3f} |")
+    return lines + [""]
+
+
+def _weight_lines(rows: list[dict]) -> list[str]:
+    steps = [r for r in rows if r.get("event") == "weight_step"]
+    if not steps:
+        return []
+    lines = ["## Weight phase", "", "| step | harness | accept rate | rows | trained tokens | loss | gen s | train s | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in steps:
+        loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
+        lines.append(f"| {r['step']} | {r.get('harness')} | {r['accept_rate']:.3f} | {r['rows']} | {r['trained_tokens']} | "
+                     f"{loss} | {r['gen_seconds']:.0f} | {r['train_seconds']:.0f} | {r['reason']} |")
+    return lines + ["", "![accept rate](accept_rate.png)", ""]
+
+
+def _harness_lines(rows: list[dict]) -> list[str]:
+    accepted = [r["accepted"] for r in rows if r.get("event") == "harness_accepted"]
+    harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error",
+                                                          "confirm", "confirm_stopped", "null_probe")]
+    if not harness_rows and not accepted:
+        return []
+    lines = ["## Harness phase", "", f"Accepted harnesses, phase by phase: {' -> '.join(['h0'] + accepted)}", "",
+             "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
+    for r in harness_rows:
+        sr = r.get("success_rate")
+        note = event_note(r)
+        if r["event"] == "confirm":
+            sr = r.get("mean_a")
+        elif r["event"] == "null_probe":
+            sr = r.get("real")
+        lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
+                     f"{'' if sr is None else f'{sr:.3f}'} | {note[:120]} |")
+    return lines + ["", "![lineage](lineage.png)", ""]
 
 
 def _proposer_lines(rows: list[dict], led: dict) -> list[str]:
@@ -256,91 +250,25 @@ def _proposer_lines(rows: list[dict], led: dict) -> list[str]:
 
 
 def write_report(run_dir: str | Path) -> Path:
-    from whale.run import load_summary
-
+    """report/report.md with its PNG plots, and report/report.html (one self-contained page)."""
     run_dir = Path(run_dir)
     rows, state, cfg = load_run(run_dir)
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
-    name = cfg.get("name", run_dir.name)
-    _curve_plot(rows, "rollouts", out / "accuracy_vs_rollouts.png", f"{name}: accuracy vs rollouts")
-    _curve_plot(rows, "tokens", out / "accuracy_vs_tokens.png", f"{name}: accuracy vs tokens")
-    has_accept = _accept_plot(rows, out / "accept_rate.png")
-    accepted = [r["accepted"] for r in rows if r.get("event") == "harness_accepted"]
-    has_lineage = _lineage_plot(run_dir, accepted, out / "lineage.png")
-    s = load_summary(run_dir)
-    led = state.get("ledger", {})
-    sched = cfg.get("schedule", {})
-    lines = [f"# WHALE run report: {name}", "",
-             f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
-             f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
-             f"grader: **{cfg.get('domain', {}).get('grader')}**",
-             f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s" + (
-                 "" if state.get("finished") else f" (**unfinished**: 'final' below is its latest evaluation; "
-                 f"`whale run --resume {run_dir}` continues it)"),
-             *[f"- engine server recovered in {r['unit']}: {r['reason']}{'' if r.get('ok') else ' (failed)'}"
-               for r in rows if r.get("event") == "engine_recovered"], "",
-             "## Test mean@k", "", "| initial | final | best (paper's, selected on test) | val-selected (honest) |",
-             "|---|---|---|---|", f"| {fmt(s['initial'])} | {fmt(s['final'])} | {fmt(s['best'])} | "
-             f"{fmt(s['val_selected'])} |", "",
-             "## Where the rollouts went", "", "| purpose | rollouts | counts toward budget |", "|---|---|---|"]
-    for purpose, n in sorted(led.get("rollouts", {}).items()):
-        lines.append(f"| {purpose} | {n} | {'yes' if purpose in BUDGET_PURPOSES else 'recorded only'} |")
-    lines += ["", f"LLM calls {led.get('llm_calls', 0)}, tokens {led.get('tokens', 0)} "
-              f"(prompt {led.get('prompt_tokens', 0)}, generated {led.get('completion_tokens', 0)}), "
-              f"proposer time {led.get('proposer_seconds', 0)} s.", "", *_proposer_lines(rows, led),
-              "![accuracy vs rollouts](accuracy_vs_rollouts.png)", "", "![accuracy vs tokens](accuracy_vs_tokens.png)", ""]
-    attribution, parts, totals = _attribution_lines(rows, ["test", "val"])
-    if attribution and _attribution_plot(parts, totals, out / "phase_gains.png", f"{name}: gain by phase"):
-        lines += attribution
-    evals = [r for r in rows if r.get("event") == "eval"]
-    if evals:
-        lines += ["## Evaluations", "", "| unit | split | harness | weights | mean@k | 95% CI | pass@k | budget rollouts |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in evals:
-            ci = r.get("ci95", [0, 0])
-            lines.append(f"| {r['unit']} | {r['split']} | {r.get('harness')} | {r.get('weights_version')} | "
-                         f"{r['mean_at_k']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | {r['pass_at_k']:.3f} | {x_value(r, 'rollouts')} |")
-        last = evals[-1]
-        if last.get("per_source"):
-            lines += ["", f"Per data source (last evaluation, {last['split']}):", "", "| source | n | mean@k | pass@k |",
-                      "|---|---|---|---|"]
-            for src, v in last["per_source"].items():
-                lines.append(f"| {src} | {v['n']} | {v['mean_at_k']:.3f} | {v['pass_at_k']:.3f} |")
-        lines.append("")
-    steps = [r for r in rows if r.get("event") == "weight_step"]
-    if steps:
-        lines += ["## Weight phase", "", "| step | harness | accept rate | rows | trained tokens | loss | gen s | train s | note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in steps:
-            loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
-            lines.append(f"| {r['step']} | {r.get('harness')} | {r['accept_rate']:.3f} | {r['rows']} | {r['trained_tokens']} | "
-                         f"{loss} | {r['gen_seconds']:.0f} | {r['train_seconds']:.0f} | {r['reason']} |")
-        lines.append("")
-        if has_accept:
-            lines += ["![accept rate](accept_rate.png)", ""]
-    harness_rows = [r for r in rows if r.get("event") in ("candidate", "rescore", "invalid", "duplicate", "proposer_error",
-                                                          "confirm", "confirm_stopped", "null_probe")]
-    if harness_rows or accepted:
-        lines += ["## Harness phase", "", f"Accepted harnesses, phase by phase: {' -> '.join(['h0'] + accepted)}", "",
-                  "| unit | event | candidate | weights | success | note |", "|---|---|---|---|---|---|"]
-        for r in harness_rows:
-            if r["event"] == "confirm":
-                rounds = f" (round {r['round']}/{r['rounds']}, pooled)" if r.get("rounds") else ""
-                r = {**r, "success_rate": r.get("mean_a"), "reason": f"fresh seeds{rounds}: {r.get('mean_a', 0):.3f} vs incoming "
-                     f"{r.get('mean_b', 0):.3f}, paired gain {r.get('gain', 0):+.3f}, {fmt_p(r.get('p'))} "
-                     f"({'passes' if r.get('passes') else 'not shown'} at {r.get('level')})"}
-            elif r["event"] == "null_probe":
-                r = {**r, "success_rate": r.get("real"), "reason": f"null engine {r.get('null', 0):.3f}, {fmt_p(r.get('p'))}"
-                     f"{', FLAGGED' if r.get('flagged') else ''}"}
-            sr = r.get("success_rate")
-            lines.append(f"| {r['unit']} | {r['event']} | {r.get('id', '')} | {r.get('weights_version')} | "
-                         f"{'' if sr is None else f'{sr:.3f}'} | {str(r.get('reason', r.get('mechanism', '')))[:120]} |")
-        lines.append("")
-        if has_lineage:
-            lines += ["![lineage](lineage.png)", ""]
-    lines += _matrix_section(run_dir)
+    figs = run_figures(run_dir, rows, cfg.get("name", run_dir.name))
+    sections = report_sections(run_dir, rows, state, cfg)
+    lines = []
+    for section in sections.values():  # a figure that was not drawn has no image line
+        lines += [line for line in section if not line.startswith("![") or line.split("](")[1][:-5] in figs
+                  or "matrix.png" in line]
+    for stem, fig in figs.items():
+        plots.save_png(fig, out / f"{stem}.png")
     (out / "report.md").write_text("\n".join(lines))
+    try:
+        write_html(run_dir, rows, state, cfg, sections, figs)
+    finally:
+        for fig in figs.values():
+            plots.close(fig)
     return out / "report.md"
 
 
@@ -353,14 +281,6 @@ def _matrix_section(run_dir: Path) -> list[str]:
             if line.startswith("## ") or "](matrix.png)" in line else line
             for line in md.read_text().splitlines()[1:]]  # its own title replaced by the section heading
     return ["## Harness x weights matrix", "", *body]
-
-
-def fmt_p(p: Any) -> str:
-    """A p-value as text. Records before session 17 rounded p to 4 decimals, so a 0 there means
-    below 0.00005; a sign-flip p-value is never exactly 0."""
-    if not isinstance(p, (int, float)):
-        return "p = ?"
-    return "p < 0.0001" if p < 1e-4 else f"p = {p:.3g}"
 
 
 def fmt(v: Any) -> str:
