@@ -27,7 +27,7 @@ of the output's size). Per layer 1.6-2.0x the base GEMMs: 1.2-1.3x faster than p
 [1.04, 1.41] faster (benchmarks/lora_generation.py) and `whale demo` 1.07x [1.04, 1.10]
 (2026-12-06, the 2-core AMX Xeon; measured when packs also served prefill widths and the rank-r
 product ran on MKL's packed float32 GEMM, both since removed for showing no whole-run effect of
-their own; docs/throughput.md). It is not peft's bits, so adapted samples
+their own; docs/performance.md). It is not peft's bits, so adapted samples
 change by rounding as they do between batch shapes in bf16 (docs/design.md); the trainer keeps
 peft's layers and arithmetic.
 

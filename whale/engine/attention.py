@@ -6,7 +6,7 @@ columns the live rows use (the longest row's; a strided view of the slab, no cop
 boolean mask. It replaced two plain matmuls over the slab's whole contiguous block (stale columns
 and growth headroom included): whole search-QA replays 1.04x [1.03, 1.06] faster in float32 (same
 ids) and math replays 1.11x [1.07, 1.15] in bfloat16 (benchmarks/workloads.py, 2026-12-06, the
-2-core AMX Xeon; docs/throughput.md). The scheduler selects this function for its own decode
+2-core AMX Xeon; docs/performance.md). The scheduler selects this function for its own decode
 forwards only, on CPU, by switching the model's attention implementation for the duration of the
 forward (the engine thread owns the model then); training keeps transformers' sdpa.
 

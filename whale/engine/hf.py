@@ -96,7 +96,7 @@ def engine_cpu_threads(requested: int | None) -> int:
     Why not every core: the runner's threads (event loop, RPC, templating, tool calls), the
     sandboxed harnesses and the graders run beside the engine. On 2 cores, two OpenMP threads in
     the engine wait on the core those hold, and `whale demo` took 5:38-6:14 against 4:10-4:57 with
-    one (docs/throughput.md, "One core for the engine")."""
+    one (docs/performance.md)."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {requested}")

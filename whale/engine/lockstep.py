@@ -25,7 +25,7 @@ same machine, software and thread count a re-evaluation is bit-for-bit the origi
 Assumptions, stated: a harness makes one model call at a time (the sandbox RPC is synchronous);
 requests submitted outside the lockstep meanwhile are admitted as usual (determinism is then not
 promised). A client that stays running for long (a slow tool) holds the engine for that long; the
-cost on the shipped harnesses is measured in docs/throughput.md.
+cost on the shipped harnesses is measured in docs/performance.md.
 """
 
 from __future__ import annotations

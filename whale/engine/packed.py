@@ -9,7 +9,7 @@ SmolLM2-135M's 211 Linear weights from 1 to 32 rows. Packing each weight once
 (`_linear_pointwise`) took 1.31-1.58x less time at 1-64 rows on one thread
 (benchmarks/packed_gemm.py), and whole search-QA replays (benchmarks/workloads.py, 4 repeats, the
 engine on one thread as by default) ran 1.05x [1.03, 1.08] faster with the same ids
-(docs/throughput.md). The joined LoRA layers (engine/adapted.py) multiply through the same packs.
+(docs/performance.md). The joined LoRA layers (engine/adapted.py) multiply through the same packs.
 
 Used up to `MAX_ROWS` rows (decode steps, prefill's lm_head over the kept rows); wider forwards
 keep the plain path (a pack there showed no effect on whole replays, 1.02x [0.97, 1.08], and on

@@ -4,7 +4,7 @@ Each run gets one sandboxed fork server (whale/harness/sandbox_worker.py; docs/s
 interpreter starts under bubblewrap, receives the harness source, and forks one process per episode.
 Starting that interpreter took 55-66 ms on an idle 2-core machine and up to 160 ms with the engine
 working beside it, and until it is up no episode can make its first call: the engine sat idle for it
-at the start of every run (0.24-0.28 s of a 4 s chess run, docs/throughput.md). The interpreter
+at the start of every run (0.24-0.28 s of a 4 s chess run, docs/performance.md). The interpreter
 does not need the harness to start (the source arrives later, in its `init` message), so
 `SpareForkServer` keeps one process launched ahead of time and the next run adopts it; a new spare is
 launched as each run ends, while the caller does whatever comes next (grading, training, the next
