@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from whale.config import Config, ConfigError, dump_config, load_config
-from whale.errors import DamagedFile
+from whale.errors import DamagedFile, StorageError
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
@@ -235,6 +235,9 @@ class RunDir:
         return read_state(self.path)
 
     def save_state(self, state: dict[str, Any]) -> None:
+        if not (self.path / "config.yaml").is_file():  # else atomic_write would make a new, partial run directory
+            raise StorageError(f"the run directory {self.path} vanished while the run wrote to it (its config.yaml "
+                               "is gone): it was moved or deleted; put it back")
         state = dict(state)
         state["ledger"] = self.ledger.snapshot()
         state["elapsed_s"] = round(self.elapsed(), 2)
