@@ -235,9 +235,9 @@ class RunDir:
         return read_state(self.path)
 
     def save_state(self, state: dict[str, Any]) -> None:
-        if not (self.path / "config.yaml").is_file():  # else atomic_write would make a new, partial run directory
-            raise StorageError(f"the run directory {self.path} vanished while the run wrote to it (its config.yaml "
-                               "is gone): it was moved or deleted; put it back")
+        if not self.path.is_dir():  # else atomic_write would make a new run directory holding only state.json
+            raise StorageError(f"the run directory {self.path} vanished while the run wrote to it: it was moved or "
+                               "deleted; put it back")
         state = dict(state)
         state["ledger"] = self.ledger.snapshot()
         state["elapsed_s"] = round(self.elapsed(), 2)
