@@ -7,11 +7,14 @@ The full disk and the read-only run directory are real where the test may mount 
 write permission).
 """
 
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -227,6 +230,48 @@ def test_a_model_that_cannot_load_is_one_line_naming_it(tiny_model_dir, tmp_path
             else ["run", cfg, "--out", tmp_path / "run"])
     line = the_error_line(whale(*args, "--set", f"model.name={name}"))
     assert line.startswith(message), line
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """The Hugging Face hub's answers for a gated model, a missing one, one without config.json."""
+
+    def _answer(self):
+        org = self.path.strip("/").split("/")[0]
+        code, error = {"gated": (403, "GatedRepo"), "noconfig": (404, "EntryNotFound")}.get(org, (404, "RepoNotFound"))
+        self.send_response(code)
+        self.send_header("X-Error-Code", error)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("name, message", [
+    ("gated/model", "error: model 'gated/model' is gated on the Hugging Face hub: accept its terms at "
+                    "{hub}/gated/model, then log in (`hf auth login`, or set HF_TOKEN)"),
+    ("someone/missing", "error: model 'someone/missing' was not found on the Hugging Face hub (a misspelt id, or a "
+                        "private model that needs a login: `hf auth login` or HF_TOKEN); or set model.name to a local "
+                        "model folder"),
+    ("noconfig/model", "error: model 'noconfig/model' has no config.json on the Hugging Face hub"),
+])
+def test_a_model_the_hub_refuses_is_one_line_naming_why(tiny_model_dir, tmp_path, name, message):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hub = f"http://127.0.0.1:{server.server_port}"
+    env = dict(os.environ, HF_ENDPOINT=hub, HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    try:
+        done = subprocess.run([sys.executable, "-m", "whale.cli", "eval", "--config", config_file(tmp_path, tiny_model_dir),
+                               "--limit", "1", "--k", "1", "--set", f"model.name={name}"],
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(message.format(hub=hub)), done.stderr
 
 
 def test_errors_name_what_a_user_can_fix():
