@@ -211,6 +211,20 @@ def test_a_damaged_config_in_the_run_directory_is_one_line(tiny_model_dir, tmp_p
     assert line.startswith(f"error: config file {out / 'config.yaml'} is not valid YAML: "), line
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["weight.problems_per_step=32"], "error: the weight split has 16 problems and weight.problems_per_step needs at "
+                                      "least 32; enlarge domain.splits.weight"),
+    (["eval.splits=[val, dev]"], "error: eval.splits names split 'dev', which the domain does not have (it has "
+                                 "test, val, harness, weight)"),
+])
+def test_splits_too_small_for_the_schedule_are_one_line_before_anything_runs(tiny_model_dir, tmp_path, sets,
+                                                                             message):
+    cfg = config_file(tmp_path, tiny_model_dir)
+    line = the_error_line(whale("run", cfg, "--out", tmp_path / "run", *[a for s in sets for a in ("--set", s)]))
+    assert line.startswith(message), line
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
 # ------------------------------------------------------------------------------ models, packages
 
 
