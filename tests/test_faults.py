@@ -321,3 +321,22 @@ def test_errors_name_what_a_user_can_fix():
     wrapped.__cause__ = full
     assert describe(wrapped) == describe(full)
     assert describe(KeyError("phase")) == "internal error: KeyError: 'phase'"
+
+
+def test_a_write_that_fails_at_flush_names_its_file(tmp_path, monkeypatch):
+    """On a full disk the OS refuses the data at flush or fsync, with no file name in the error."""
+    import errno
+
+    from whale.errors import describe
+    from whale.store import append_line, atomic_write
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for write, path in ((lambda p: atomic_write(p, "{}"), tmp_path / "state.json"),
+                        (lambda p: append_line(p, {"a": 1}), tmp_path / "metrics.jsonl")):
+        with pytest.raises(OSError) as err:
+            write(path)
+        assert describe(err.value).startswith(f"no space left on the device ({path})")
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".state.json")]  # no temp file left

@@ -19,6 +19,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 
 class WhaleError(Exception):
@@ -80,6 +81,14 @@ def _chain(exc: BaseException):
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def raise_naming(exc: BaseException, path: str | os.PathLike) -> NoReturn:
+    """Raise `exc` again; an OSError that names no file (a write that fails at flush or close, as on
+    a full disk) as one that names `path`, so the user's line says which file."""
+    if isinstance(exc, OSError) and not exc.filename and exc.errno:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    raise exc
 
 
 def os_errno(exc: BaseException) -> int | None:

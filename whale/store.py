@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from whale.config import Config, ConfigError, dump_config, load_config
-from whale.errors import DamagedFile, StorageError
+from whale.errors import DamagedFile, StorageError, raise_naming
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
@@ -66,23 +66,26 @@ def atomic_write(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        raise_naming(e, path)
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:
     """Append one JSON line and fsync: after a kill the line is either whole or a torn last line.
     A torn last line (a kill, a full disk) is ended first, so the new row starts a line of its own
     instead of being glued to the torn one (which would make readers skip both)."""
-    with open(path, "ab+") as f:
-        torn = False
-        if f.seek(0, os.SEEK_END):
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + (json.dumps(row, default=str) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "ab+") as f:
+            torn = False
+            if f.seek(0, os.SEEK_END):
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + (json.dumps(row, default=str) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise_naming(e, path)
 
 
 def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from whale.errors import raise_naming
 from whale.harness.trajectory import Trajectory
 from whale.harness.usage import decide_usage
 
@@ -114,10 +115,10 @@ def save_rows(path: str | Path, rows: list[TrainingRow]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+        raise_naming(e, path)
 
 
 def load_rows(path: str | Path) -> list[TrainingRow]:
