@@ -42,7 +42,10 @@ class DamagedFile(WhaleError):
 
 
 class ModelUnavailable(WhaleError, ValueError):
-    """A model name that is neither a local folder nor a model the Hugging Face hub can serve here."""
+    """A model name that is neither a local folder nor a model the Hugging Face hub can serve here.
+    Not `resumable`: the saved config names the model, so a misspelt one needs a new run."""
+
+    resumable = False
 
 
 class MissingPackage(WhaleError, ImportError):
