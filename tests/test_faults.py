@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from test_run import tiny_config
@@ -295,6 +296,14 @@ def test_an_engine_that_will_not_start_is_one_line_naming_its_log(tiny_model_dir
     assert re.match(r"error: the vLLM server exited with code 1 while starting \(python: \S+; its log: \S+\)\. Is vLLM "
                     r"installed for that python\?", line), line
     the_log(line)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_a_cuda_device_that_is_not_there_is_one_line(tiny_model_dir, tmp_path):
+    line = the_error_line(whale("eval", "--config", config_file(tmp_path, tiny_model_dir), "--limit", 1, "--k", 1,
+                                "--set", "model.device=cuda"))
+    assert line.startswith("error: model.device cuda: no such CUDA device here (0 visible; see CUDA_VISIBLE_DEVICES "
+                           "and the driver); set model.device to cpu or auto"), line
 
 
 def test_a_missing_package_is_one_line_naming_how_to_install_it(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ def check_hub_model(name: str) -> None:
     try:
         hf_hub_download(name, "config.json")
     except HFValidationError:
-        raise ModelUnavailable(f"model '{name}' is neither a local folder nor a Hugging Face model id; {LOCAL}") from None
+        raise ModelUnavailable(f"model '{name}' is neither a local folder nor a Hugging Face model id; "
+                               f"{LOCAL}") from None
     except GatedRepoError:
         raise ModelUnavailable(f"model '{name}' is gated on the Hugging Face hub: accept its terms at {url}, then "
                                "log in (`hf auth login`, or set HF_TOKEN)") from None
