@@ -71,7 +71,7 @@ _OS_REASONS = {
     errno.EROFS: ("read-only file system", "make it writable (or copy the folder to a writable disk)"),
     errno.EACCES: ("permission denied", "make it writable for this user"),
     errno.EPERM: ("operation not permitted", "make it writable for this user"),
-    errno.ENOENT: ("no such file or directory: it was moved or deleted while in use", "put it back"),
+    errno.ENOENT: ("no such file or directory", "check the path, or put back what was moved or deleted"),
     errno.EIO: ("input/output error: the disk failed", "check the disk (dmesg)"),
 }
 _STRERRORS = {os.strerror(code): code for code in _OS_REASONS if code != errno.ENOENT}
