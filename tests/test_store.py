@@ -30,6 +30,24 @@ def test_ledger_is_rebuilt_from_its_file_and_survives_a_torn_line(tmp_path):
     assert back.count("c0:harness:h1@w1#0", "harness", 4) == "redone"
 
 
+def test_a_row_appended_after_a_torn_line_is_kept(tmp_path):
+    """A kill or a full disk cuts the last line short; what the resumed run appends next starts a line
+    of its own, instead of being glued to the torn one (which made readers drop both)."""
+    path = tmp_path / "ledger.jsonl"
+    Ledger(path=path).count("w0", "weight", 8)
+    with open(path, "a") as f:
+        f.write('{"key": "w1", "purpose": "wei')  # no space left in the middle of an append
+    resumed = Ledger.load(path)
+    resumed.count("w1", "weight", 8)
+    assert Ledger.load(path).rollouts["weight"] == 16
+    run = RunDir(tmp_path)
+    run.log({"unit": "w0", "event": "weight_step"})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"unit": "w1", "ev')
+    run.log({"unit": "w1", "event": "weight_step"})
+    assert [r["unit"] for r in run.metrics()] == ["w0", "w1"]
+
+
 def test_an_old_run_without_ledger_file_starts_from_its_snapshot(tmp_path):
     led = Ledger.load(tmp_path / "ledger.jsonl", snapshot={"rollouts": {"weight": 32}, "llm_calls": 40})
     assert led.budget_rollouts == 32 and led.llm_calls == 40

@@ -1,4 +1,9 @@
-"""The `whale` command line (DESIGN §10). Errors are one readable line, never a traceback."""
+"""The `whale` command line (DESIGN §10). Errors are one readable line, never a traceback.
+
+`_Commands.invoke` is the one place that turns an exception into that line (whale/errors.py
+phrases it), writes the traceback to `error.log` in the run directory the command works in (or a
+file in the temp folder when there is none, or it cannot be written), and exits non-zero.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,16 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from whale.config import Config, ConfigError, config_reference, dump_config, load_config
 from whale.engine.default_model import is_default_model
+from whale.errors import describe, exit_code, resumable, write_log
 
 # Before torch is imported: busy-waiting OpenMP threads make generation 5-10x slower when the
 # sandboxed episodes and graders share the cores (measured on 2 cores).
@@ -22,7 +31,45 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers 5 deprecation noise
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# The run directory the command works in, for its error.log and the `--resume` hint (see _Commands).
+_failure_context: dict[str, Optional[str]] = {"run_dir": None, "resume": None}
+
+
+def _working_in(run_dir: str | Path, resume: Optional[str] = None) -> None:
+    """Name the run directory this command writes (error.log goes there) and the command that resumes it."""
+    _failure_context.update(run_dir=str(run_dir), resume=resume)
+
+
+class _Commands(TyperGroup):
+    """Every command runs inside `invoke`: the one place an exception becomes a line and a log."""
+
+    def invoke(self, ctx):
+        _failure_context.update(run_dir=None, resume=None)
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            console.print("[bold red]interrupted[/]" + _resume_hint())
+            raise typer.Exit(130) from None
+        except Exception as exc:  # noqa: BLE001 - the one place that catches everything (see the module doc)
+            line, code = describe(exc), exit_code(exc)
+            if code != 2:  # a config error needs no traceback: the line says it all
+                log = write_log(exc, _failure_context["run_dir"])
+                line += (_resume_hint() if resumable(exc) else "") + \
+                    (f" (traceback: {log})" if log else " (the traceback could not be written anywhere)")
+            console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+            raise typer.Exit(code) from None
+
+
+def _resume_hint() -> str:
+    run_dir, resume = _failure_context["run_dir"], _failure_context["resume"]
+    if not resume or run_dir is None or not Path(run_dir, "config.yaml").is_file():
+        return ""
+    return f"; the run directory keeps every finished step: `{resume}` continues it"
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="WHALE: joint harness-weight optimization for LLM agents.")
 harness_app = typer.Typer(no_args_is_help=True, help="Validate and browse harness files and archives.")
 app.add_typer(harness_app, name="harness")
@@ -32,7 +79,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -126,6 +173,8 @@ def eval_cmd(
     if k < 1:
         _fail("--k must be at least 1")
     weights_dir = _weights_folder(weights, run)
+    if out:
+        _working_in(out)
     try:
         dom = load_domain(cfg)
         problems = dom.load_splits()[split][: limit or None]
@@ -179,25 +228,24 @@ def run_cmd(
 ):
     """Run WHALE or a baseline (schedule.kind) and write the run directory."""
     from whale.run import run_experiment
-    from whale.search.proposal import ProposerStopped
 
     if config and config_opt and config != config_opt:
         _fail(f"two configs given ({config} and --config {config_opt}); give one")
     config = config or config_opt
-    try:
-        if resume:
-            if config or set_:
-                _fail("--resume takes the config saved in the run directory; drop CONFIG and --set")
-            if Path(resume, "config.yaml").is_file():
-                _config(str(Path(resume, "config.yaml")), [])  # the hub policy of the run's model
-            run_dir = run_experiment(None, resume=resume)
-        else:
-            if config is None:
-                _fail("give a config file (see configs/) or --resume RUN_DIR")
-            cfg = _config(config, set_)
-            run_dir = run_experiment(cfg, out=out)
-    except (ConfigError, ProposerStopped) as e:
-        _fail(str(e))
+    if resume:
+        if config or set_:
+            _fail("--resume takes the config saved in the run directory; drop CONFIG and --set")
+        _working_in(resume, f"whale run --resume {resume}")
+        if Path(resume, "config.yaml").is_file():
+            _config(str(Path(resume, "config.yaml")), [])  # the hub policy of the run's model
+        run_dir = run_experiment(None, resume=resume)
+    else:
+        if config is None:
+            _fail("give a config file (see configs/) or --resume RUN_DIR")
+        cfg = _config(config, set_)
+        out = out or str(Path("runs") / cfg.name)
+        _working_in(out, f"whale run --resume {out}")
+        run_dir = run_experiment(cfg, out=out)
     console.print(f"[green]done[/]: {run_dir}  (report: whale report {run_dir})")
 
 
@@ -227,15 +275,13 @@ def demo_cmd(
     from whale.run import run_experiment
 
     cfg = _config(str(CONFIGS / "demo.yaml"), set_)
-    try:
-        if Path(out, "state.json").exists():
-            console.print(f"resuming the demo in {out} (delete it to start over)")
-            run_dir = run_experiment(None, resume=out)
-        else:
-            run_dir = run_experiment(cfg, out=out)
-        report = write_report(run_dir)
-    except ConfigError as e:
-        _fail(str(e))
+    _working_in(out, f"whale demo --out {out}")
+    if Path(out, "state.json").exists():
+        console.print(f"resuming the demo in {out} (delete it to start over)")
+        run_dir = run_experiment(None, resume=out)
+    else:
+        run_dir = run_experiment(cfg, out=out)
+    report = write_report(run_dir)
     console.print(f"[green]demo finished[/]. Report: {report}; the page to open: {report.with_suffix('.html')}")
 
 
@@ -244,11 +290,9 @@ def report_cmd(run_dir: str):
     """Write RUN_DIR/report/report.md with plots, and report.html (one self-contained page to open)."""
     from whale.report import write_report
 
-    try:
-        md = write_report(run_dir)
-        console.print(f"report: {md}\npage: {md.with_suffix('.html')}")
-    except ConfigError as e:
-        _fail(str(e))
+    _working_in(run_dir)
+    md = write_report(run_dir)
+    console.print(f"report: {md}\npage: {md.with_suffix('.html')}")
 
 
 @app.command("compare")
@@ -260,10 +304,7 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
     """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
     from whale.compare import compare_runs
 
-    try:
-        path = compare_runs(run_dirs, out, references=ref or None, partial=partial)
-    except ConfigError as e:
-        _fail(str(e))
+    path = compare_runs(run_dirs, out, references=ref or None, partial=partial)
     console.print(Path(path).read_text())
     console.print(f"page: {Path(path).with_suffix('.html')}")
 
@@ -278,10 +319,8 @@ def matrix_cmd(
     """Every accepted harness of a run under every weights version it kept: RUN_DIR/matrix/matrix.md + .png."""
     from whale.matrix import build_matrix
 
-    try:
-        path = build_matrix(run_dir, split=split, k=k, others=with_)
-    except ConfigError as e:
-        _fail(str(e))
+    _working_in(run_dir)
+    path = build_matrix(run_dir, split=split, k=k, others=with_)
     console.print(Path(path).read_text())
     console.print(f"page: {Path(path).with_suffix('.html')}")
 

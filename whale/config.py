@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from whale.errors import WhaleError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys are errors; every number has a range (tests/test_config.py walks them all)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -31,7 +35,7 @@ class ModelConfig(_Strict):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ... (hf: the engine; vllm: the trainer)")
     base_url: str | None = Field(None, description="vllm/openai: server URL (vllm starts one if empty)")
     api_key_env: str = Field("OPENAI_API_KEY", description="openai: env var holding the key")
-    max_model_len: int = Field(4096, description="prompt + completion tokens one sequence may hold")
+    max_model_len: int = Field(4096, ge=2, description="prompt + completion tokens one sequence may hold")
     max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
                                 "benchmarks/decode_width.py); vllm: requests in flight")
     cpu_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
@@ -59,22 +63,28 @@ class SamplingConfig(_Strict):
     max_tokens: int = Field(256, ge=1, description="default per llm() call")
     max_tokens_cap: int = Field(1024, ge=1, description="largest max_tokens a harness may ask for")
 
+    @model_validator(mode="after")
+    def _cap_holds_default(self):
+        if self.max_tokens > self.max_tokens_cap:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be <= max_tokens_cap ({self.max_tokens_cap})")
+        return self
+
 
 class BudgetConfig(_Strict):
     """Per-episode limits, enforced by the parent."""
 
-    llm_calls: int = Field(8, description="model calls an episode may make")
-    tool_calls: int = Field(16, description="tool calls an episode may make")
-    tokens: int = Field(8192, description="prompt + generated tokens over all calls")
-    seconds: float = Field(60.0, description="harness wall time, excluding time queued for engine/tools")
-    invalid_moves: int = Field(3, description="chess: refused moves before the episode ends")
+    llm_calls: int = Field(8, ge=1, description="model calls an episode may make")
+    tool_calls: int = Field(16, ge=0, description="tool calls an episode may make")
+    tokens: int = Field(8192, ge=1, description="prompt + generated tokens over all calls")
+    seconds: float = Field(60.0, gt=0, description="harness wall time, excluding time queued for engine/tools")
+    invalid_moves: int = Field(3, ge=0, description="chess: refused moves before the episode ends")
 
 
 class SplitSizes(_Strict):
-    weight: int = Field(512, description="D_weight: problems the weight phase trains on")
-    harness: int = Field(64, description="D_harness: problems the search scores candidates on")
-    val: int = Field(64, description="selects the val-best (harness, weights) pair")
-    test: int = Field(64, description="reported only; never seen by training or search")
+    weight: int = Field(512, ge=0, description="D_weight: problems the weight phase trains on")
+    harness: int = Field(64, ge=0, description="D_harness: problems the search scores candidates on")
+    val: int = Field(64, ge=0, description="selects the val-best (harness, weights) pair")
+    test: int = Field(64, ge=0, description="reported only; never seen by training or search")
 
 
 class DomainConfig(_Strict):
@@ -96,9 +106,9 @@ class DomainConfig(_Strict):
 class SandboxConfig(_Strict):
     mode: Literal["auto", "bwrap", "process"] = Field(
         "auto", description="auto: bubblewrap when it works, else process (with a warning); docs/sandbox.md")
-    memory_mb: int = Field(1024, description="address space of one episode; a sandbox's cgroup holds up to 8x")
-    max_processes: int = Field(16, description="processes one episode may run")
-    cpu_seconds: int = Field(120, description="CPU seconds one episode may use")
+    memory_mb: int = Field(1024, ge=64, description="address space of one episode; a sandbox's cgroup holds up to 8x")
+    max_processes: int = Field(16, ge=1, description="processes one episode may run")
+    cpu_seconds: int = Field(120, ge=1, description="CPU seconds one episode may use")
     extra_packages: list[str] = Field(default_factory=list, description="third-party packages harnesses may import")
 
 
@@ -109,38 +119,38 @@ class RunnerConfig(_Strict):
         "(engine/lockstep.py): 'all' rollouts, 'eval' only, or 'never'; bit-exact re-runs need it")
     lockstep_hold_s: float = Field(1.0, gt=0, description="the longest the engine waits for one episode's "
                                    "due call (a slow tool); past it the batch goes on, counted as not reproducible")
-    grader_processes: int = Field(2, description="processes that grade episodes (graders may be slow: math-verify)")
+    grader_processes: int = Field(2, ge=1, description="processes that grade episodes (graders may be slow: math-verify)")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
 
 class LoraConfig(_Strict):
-    r: int = Field(16, description="LoRA rank")
-    alpha: int = Field(32, description="LoRA scale numerator (the update is scaled by alpha / r)")
-    dropout: float = Field(0.0, description="dropout on the LoRA branch")
+    r: int = Field(16, ge=1, description="LoRA rank")
+    alpha: int = Field(32, ge=1, description="LoRA scale numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch")
     target_modules: str | list[str] = Field("all-linear", description="PEFT target modules")
 
 
 class WeightConfig(_Strict):
-    problems_per_step: int = Field(16, description="prompt batch (paper: 256)")
-    samples_per_problem: int = Field(4, description="k rollouts per problem (paper: 8)")
+    problems_per_step: int = Field(16, ge=1, description="prompt batch (paper: 256)")
+    samples_per_problem: int = Field(4, ge=1, description="k rollouts per problem (paper: 8)")
     accept_threshold: float = Field(0.5, description="a rollout is trained on when its reward is above this")
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters, or every weight (fp32 masters)")
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    lr: float = Field(2e-4, description="AdamW learning rate")
-    weight_decay: float = Field(0.0, description="AdamW weight decay")
-    warmup_steps: int = Field(0, description="optimizer steps of linear warmup")
-    mini_batch_trajectories: int = Field(64, description="trajectories per optimizer step (paper: 64)")
-    micro_batch_tokens: int = Field(4096, description="tokens per forward/backward (gradient accumulation)")
-    max_grad_norm: float = Field(1.0, description="gradient clipping")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup")
+    mini_batch_trajectories: int = Field(64, ge=1, description="trajectories per optimizer step (paper: 64)")
+    micro_batch_tokens: int = Field(4096, ge=1, description="tokens per forward/backward (gradient accumulation)")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0: none)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
-    max_length: int = Field(4096, description="training rows are cut to this many tokens")
-    keep_versions: int = Field(2, description="weights versions kept on disk besides the val-best")
+    max_length: int = Field(4096, ge=2, description="training rows are cut to this many tokens")
+    keep_versions: int = Field(2, ge=0, description="weights versions kept on disk besides the val-best")
 
 
 class PatienceConfig(_Strict):
-    window: int = Field(3, description="steps the training accept rate is smoothed over")
-    burn_in: int = Field(3, description="steps before the phase may stop")
-    patience: int = Field(3, description="steps without a new phase-best that end the phase")
+    window: int = Field(3, ge=1, description="steps the training accept rate is smoothed over")
+    burn_in: int = Field(3, ge=0, description="steps before the phase may stop")
+    patience: int = Field(3, ge=1, description="steps without a new phase-best that end the phase")
 
 
 class AgentBind(_Strict):
@@ -155,7 +165,7 @@ class HarnessSearchConfig(_Strict):
     proposer: Literal["mutation", "chat", "agent_cli"] = Field(
         "mutation", description="mutation: offline, picks mechanisms from a diagnosis of the traces; chat: an "
         "OpenAI-compatible model with file tools; agent_cli: a coding-agent CLI in a sandboxed workspace")
-    candidates_per_iteration: int = Field(3, description="M: candidates the proposer writes per iteration")
+    candidates_per_iteration: int = Field(3, ge=1, description="M: candidates the proposer writes per iteration")
     samples_per_example: int = Field(1, ge=1, description="k samples per harness-split problem when scoring a candidate")
     confirm_top: int = Field(2, ge=0, description="top candidates re-run on fresh seeds, with the incoming harness, "
                              "before one may replace it (0: decide on the selection traces)")
@@ -176,7 +186,7 @@ class HarnessSearchConfig(_Strict):
     agent_base_url: str | None = Field(None, description="claude_code/codex: the endpoint the agent calls instead of "
                                        "its vendor's (claude_code: ANTHROPIC_BASE_URL, e.g. http://host:port; codex: a "
                                        "provider entry, e.g. http://host:port/v1, key in OPENAI_API_KEY)")
-    agent_timeout_s: float = Field(2400, description="agent_cli: seconds one proposal round may take")
+    agent_timeout_s: float = Field(2400, gt=0, description="agent_cli: seconds one proposal round may take")
     agent_env: list[str] = Field(default_factory=list, description="agent_cli: env vars passed to the agent "
                                  "besides the preset's; all others are scrubbed except PATH, HOME, LANG")
     agent_sandbox: Literal["bwrap", "none"] = Field(
@@ -193,21 +203,28 @@ class HarnessSearchConfig(_Strict):
     chat_model: str | None = Field(None, description="chat: the proposer model")
     chat_base_url: str | None = Field(None, description="chat: its OpenAI-compatible endpoint")
     chat_api_key_env: str = Field("OPENAI_API_KEY", description="chat: env var holding the endpoint's key")
-    chat_max_turns: int = Field(24, description="chat: model turns per proposal round")
+    chat_max_turns: int = Field(24, ge=1, description="chat: model turns per proposal round")
     chat_retries: int = Field(4, ge=0, description="chat: retries of a call on a timeout, dropped connection, 429 or 5xx")
     chat_backoff_s: float = Field(2.0, ge=0, description="chat: first retry wait, doubled each retry (max 60 s)")
     chat_history_turns: int = Field(16, ge=1, description="chat: turns sent besides the system and task messages")
     chat_history_tokens: int = Field(64_000, ge=1, description="chat: estimated tokens (4 chars each) of history sent")
-    null_probe_items: int = Field(64, description="problems the null-engine probe of a candidate runs")
-    null_probe_min_drop: float = Field(0.0, description="the model's paired advantage over the null engine must "
+    null_probe_items: int = Field(64, ge=1, description="problems the null-engine probe of a candidate runs")
+    null_probe_min_drop: float = Field(0.0, ge=0, description="the model's paired advantage over the null engine must "
                                        "exceed this and be shown at accept_alpha (unless the null engine scores 0)")
     reject_flagged: bool = Field(True, description="a candidate the null probe flags is not accepted (else only "
                                  "recorded)")
-    max_file_bytes: int = Field(50_000, description="largest harness file a candidate may be")
-    smoke_examples: int = Field(2, description="episodes a candidate runs before it is scored (0: none)")
-    min_iterations: int = Field(5, description="adaptive: proposer iterations a harness phase runs at least")
-    max_iterations: int = Field(15, description="adaptive: and at most")
-    patience: int = Field(2, description="adaptive: iterations without a new best that end the phase")
+    max_file_bytes: int = Field(50_000, ge=1, description="largest harness file a candidate may be")
+    smoke_examples: int = Field(2, ge=0, description="episodes a candidate runs before it is scored (0: none)")
+    min_iterations: int = Field(5, ge=1, description="adaptive: proposer iterations a harness phase runs at least")
+    max_iterations: int = Field(15, ge=1, description="adaptive: and at most")
+    patience: int = Field(2, ge=1, description="adaptive: iterations without a new best that end the phase")
+
+    @model_validator(mode="after")
+    def _iterations_in_order(self):
+        if self.min_iterations > self.max_iterations:
+            raise ValueError(f"min_iterations ({self.min_iterations}) must be <= max_iterations "
+                             f"({self.max_iterations})")
+        return self
 
 
 class ScheduleConfig(_Strict):
@@ -216,13 +233,13 @@ class ScheduleConfig(_Strict):
         "recent gain per rollout runs next")
     adaptive: bool = Field(False, description="phases end by patience (weight_patience; harness.patience) "
                            "instead of after E epochs / I iterations")
-    weight_epochs: float = Field(0.6, description="E: weight-phase length in epochs of D_weight")
-    harness_iterations: int = Field(6, description="I: includes re-scoring the incoming harness")
+    weight_epochs: float = Field(0.6, gt=0, description="E: weight-phase length in epochs of D_weight")
+    harness_iterations: int = Field(6, ge=1, description="I: includes re-scoring the incoming harness")
     weight_patience: PatienceConfig = Field(default_factory=PatienceConfig)
-    min_weight_steps: int = Field(1, description="adaptive: steps a weight phase runs at least")
-    budget_epochs: float | None = Field(4.0, description="weight steps of the whole run, in epochs of D_weight")
-    budget_steps: int | None = Field(None, description="weight steps of the whole run")
-    budget_rollouts: int | None = Field(None, description="rollouts of the whole run that count (training, "
+    min_weight_steps: int = Field(1, ge=1, description="adaptive: steps a weight phase runs at least")
+    budget_epochs: float | None = Field(4.0, gt=0, description="weight steps of the whole run, in epochs of D_weight")
+    budget_steps: int | None = Field(None, ge=1, description="weight steps of the whole run")
+    budget_rollouts: int | None = Field(None, ge=1, description="rollouts of the whole run that count (training, "
                                         "search, confirmation; not evaluation); the run ends at the first budget hit")
     end_with_weight_phase: bool = Field(True, description="keep room for a weight step after the last harness "
                                         "phase, so the run trains under the harness it accepted")
@@ -235,12 +252,12 @@ class ScheduleConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    k: int = Field(8, description="samples per problem (mean@k, pass@k)")
+    k: int = Field(8, ge=1, description="samples per problem (mean@k, pass@k)")
     splits: list[str] = Field(default_factory=lambda: ["val", "test"], description="splits evaluated at the start "
                               "and the end (and between: intermediate_splits)")
-    every_steps: int = Field(10, description="evaluate every N weight steps (0: never mid-phase)")
+    every_steps: int = Field(10, ge=0, description="evaluate every N weight steps (0: never mid-phase)")
     at_phase_ends: bool = Field(True, description="evaluate at every phase boundary (else only at start and end)")
-    limit: int | None = Field(None, description="evaluate on the first N problems of each split")
+    limit: int | None = Field(None, ge=1, description="evaluate on the first N problems of each split")
     intermediate_splits: list[str] | None = Field(None, description="splits evaluated between the initial and "
                                                   "final evaluations (default: splits), e.g. [val] to attribute "
                                                   "gains to phases cheaply and keep test for start and end")
@@ -265,7 +282,7 @@ class LoggingConfig(_Strict):
 
 class Config(_Strict):
     name: str = Field("run", description="the run's name; its directory is runs/<name> unless --out says otherwise")
-    seed: int = Field(0, description="seeds the splits, every rollout's sampling and the search")
+    seed: int = Field(0, ge=0, description="seeds the splits, every rollout's sampling and the search")
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     domain: DomainConfig = Field(default_factory=DomainConfig)
@@ -278,8 +295,11 @@ class Config(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
-class ConfigError(ValueError):
-    """A config problem, already phrased for the user (key path and what is wrong)."""
+class ConfigError(WhaleError, ValueError):
+    """A config problem, already phrased for the user (key path and what is wrong); exit status 2."""
+
+    exit_code = 2
+    resumable = False
 
 
 def _sibling_keys(loc: tuple) -> list[str]:
@@ -300,6 +320,8 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             near = difflib.get_close_matches(str(e["loc"][-1]), _sibling_keys(e["loc"]), n=1, cutoff=0.6)
             lines.append(f"unknown config key '{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a section's own check
+            lines.append(f"config section '{key}': {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)
@@ -334,7 +356,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
     for o in overrides or []:
@@ -412,6 +434,16 @@ def _type_name(annotation: Any) -> str:
     return text.replace("typing.", "").replace("whale.config.", "").replace("NoneType", "None").replace("|", "\\|")
 
 
+def _range_text(field: Any) -> str:
+    """A field's bounds as `>= 1`, `> 0, <= 1` (empty for none)."""
+    parts = []
+    for bound in field.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(bound, attr, None) is not None:
+                parts.append(f"{sign} {getattr(bound, attr):g}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def config_reference() -> str:
     """Every config key with its type, default and description, as markdown (docs/config.md is
     this text; tests/test_config.py fails when the two differ or a key has no description)."""
@@ -428,12 +460,12 @@ def config_reference() -> str:
             default = field.get_default(call_default_factory=True)
             shown = json.dumps(default.model_dump() if isinstance(default, BaseModel) else default)
             text = (field.description or "").replace("|", "\\|")
-            yield f"| `{prefix}{key}` | {_type_name(sub)} | `{shown}` | {text} |"
+            yield f"| `{prefix}{key}` | {_type_name(sub)}{_range_text(field)} | `{shown}` | {text} |"
 
     top = [(k, f) for k, f in Config.model_fields.items()]
     plain = [(k, f) for k, f in top if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
     header = ["| key | type | default | what it does |", "|---|---|---|---|"]
-    lines += header + [f"| `{k}` | {_type_name(f.annotation)} | `{json.dumps(f.default)}` | {f.description} |"
+    lines += header + [f"| `{k}` | {_type_name(f.annotation)}{_range_text(f)} | `{json.dumps(f.default)}` | {f.description} |"
                        for k, f in plain] + [""]
     for key, field in top:
         if (key, field) in plain:

@@ -42,6 +42,7 @@ from whale.config import Config, ConfigError
 from whale.domains import Domain, Problem, load_domain
 from whale.engine.base import Engine, Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all
 from whale.engine.vllm import VLLMEngine
+from whale.errors import MissingPackage, WorkerFailed
 from whale.harness.progress import ProgressBar
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import Trajectory
@@ -83,7 +84,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError(f"compute.executor 'ray' needs Ray, which is not installed: {RAY_HINT}") from None
+        raise MissingPackage(f"compute.executor 'ray' needs Ray, which is not installed: {RAY_HINT}") from None
     return ray
 
 
@@ -324,10 +325,10 @@ class RayExecutor:
         try:
             ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"the Ray rollout actors did not start within {ready_timeout_s:g} s") from None
+            raise WorkerFailed(f"the Ray rollout actors did not start within {ready_timeout_s:g} s") from None
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a Ray rollout actor could not start (it builds the domain and engine "
-                               f"from the config; are whale and the data installed on every node?): {e}") from None
+            raise WorkerFailed("a Ray rollout actor could not start (it builds the domain and engine from the "
+                               "config; are whale and the data installed on every node?)", details=str(e)) from None
 
     def _client_spec(self, ray) -> dict[str, Any] | None:
         """Direct vLLM clients for the workers when the driver's engine is one and every node can
@@ -383,8 +384,9 @@ class RayExecutor:
         finally:
             bar.close()
         if failures:
-            raise RuntimeError("Ray rollout workers failed (the actors restart for the next run):\n"
-                               + "\n".join(f[:2000] for f in failures))
+            first = " ".join(failures[0].split())[:200]
+            raise WorkerFailed(f"{len(failures)} Ray rollout worker(s) died or failed (the actors restart for the "
+                               f"next run; first: {first})", details="\n".join(f[:2000] for f in failures))
         results: list[Trajectory | None] = [None] * (len(problems) * samples)
         pids: list[int] = [0] * len(results)
         for s, idx in enumerate(shards):

@@ -86,6 +86,22 @@ def check_proposer(cfg: Config) -> None:
         make_proposer(cfg)
 
 
+def check_split_sizes(cfg: Config, splits: dict[str, list]) -> None:
+    """The splits hold what the schedule asks of them, checked before the engine starts: a weight
+    step's problems, a harness phase's problems, and every split evaluated."""
+    needs = [("weight", cfg.weight.problems_per_step, "weight.problems_per_step")]
+    if cfg.schedule.kind != "weight_only":
+        needs.append(("harness", 1, f"schedule.kind {cfg.schedule.kind} (a harness phase)"))
+    needs += [(split, 1, "eval.splits") for split in cfg.eval.splits + (cfg.eval.intermediate_splits or [])]
+    for split, least, asked_by in needs:
+        if split not in splits:
+            raise ConfigError(f"{asked_by} names split {split!r}, which the domain does not have "
+                              f"(it has {', '.join(splits)})")
+        if len(splits[split]) < least:
+            raise ConfigError(f"the {split} split has {len(splits[split])} problems and {asked_by} needs at least "
+                              f"{least}; enlarge domain.splits.{split} (or the data) or lower what needs them")
+
+
 class Experiment:
     """One run. Construction takes these steps, in order, each a method below: the data (refused
     if it changed since the run started), the engine (and the model's fingerprint), the runner,
@@ -115,6 +131,7 @@ class Experiment:
     def _load_data(self) -> tuple[Any, dict[str, list]]:
         domain = load_domain(self.cfg)
         splits = domain.load_splits()
+        check_split_sizes(self.cfg, splits)
         prints = fingerprint_problems(splits)
         if self.state.get("data_fingerprints") and self.state["data_fingerprints"] != prints:
             raise ConfigError("the data splits differ from those the run started with (data files or "

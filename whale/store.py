@@ -30,9 +30,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from whale.config import Config, ConfigError, config_from_dict, dump_config
+from whale.config import Config, ConfigError, dump_config, load_config
+from whale.errors import DamagedFile, StorageError, raise_naming
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
@@ -69,18 +68,27 @@ def atomic_write(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+        raise_naming(e, path)
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line and fsync: after a kill the line is either whole or a torn last line."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one JSON line and fsync: after a kill the line is either whole or a torn last line.
+    A torn last line (a kill, a full disk) is ended first, so the new row starts a line of its own
+    instead of being glued to the torn one (which would make readers skip both)."""
+    try:
+        with open(path, "ab+") as f:
+            torn = False
+            if f.seek(0, os.SEEK_END):
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + (json.dumps(row, default=str) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise_naming(e, path)
 
 
 def read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
@@ -210,7 +218,10 @@ class RunDir:
         cfg_path = run.path / "config.yaml"
         if not cfg_path.exists():
             raise ConfigError(f"{run.path} is not a run directory (no config.yaml)")
-        cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()) or {})
+        try:
+            cfg = load_config(cfg_path)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_path} (the run's config): {e}") from None
         state = run.load_state()
         run.ledger = Ledger.load(run.path / "ledger.jsonl", state.get("ledger"))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -232,10 +243,12 @@ class RunDir:
 
     # ---------------------------------------------------------------- state
     def load_state(self) -> dict[str, Any]:
-        p = self.path / "state.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        return read_state(self.path)
 
     def save_state(self, state: dict[str, Any]) -> None:
+        if not self.path.is_dir():  # else atomic_write would make a new run directory holding only state.json
+            raise StorageError(f"the run directory {self.path} vanished while the run wrote to it: it was moved or "
+                               "deleted; put it back")
         state = dict(state)
         state["ledger"] = self.ledger.snapshot()
         state["elapsed_s"] = round(self.elapsed(), 2)
@@ -312,6 +325,24 @@ class RunDir:
         return [d.name for d in doomed]
 
 
+def read_state(run_dir: str | Path) -> dict[str, Any]:
+    """The run's state.json ({} before the first save); a DamagedFile error if it is not the JSON
+    object WHALE writes (it replaces the file atomically, so another program or a copy broke it)."""
+    p = Path(run_dir) / "state.json"
+    if not p.exists():
+        return {}
+    try:
+        state = json.loads(p.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        state = e
+    if not isinstance(state, dict):
+        why = f"not JSON: {state}" if isinstance(state, Exception) else f"a JSON {type(state).__name__}, not an object"
+        raise DamagedFile(f"{p} is damaged ({why}); WHALE writes it atomically, so another program or a copy "
+                          f"broke it: put back the file from a copy of the run directory, or start a new run "
+                          f"(--out)")
+    return state
+
+
 def version_step(version: str) -> int | None:
     """The step number of a weights version `w<step>` (ASCII digits); None for anything else
     ("base", "w3.tmp", "w²")."""
@@ -349,8 +380,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
                 or (None not in pair and (r.get("harness"), r.get("weights_version")) == pair)]
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
-    state_path = Path(run_dir) / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = read_state(run_dir)
     out["ledger"] = state.get("ledger", {})
     out["seconds"] = state.get("elapsed_s")
     out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")

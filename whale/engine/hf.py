@@ -45,6 +45,7 @@ from whale.engine.packed import PackedLinears
 from whale.engine.packed import available as packs_available
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
+from whale.errors import EngineStartError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,7 +53,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if resolved.type == "cuda" and (resolved.index or 0) >= gpus:
+        raise EngineStartError(f"model.device {device}: no such CUDA device here ({gpus} visible; see "
+                               "CUDA_VISIBLE_DEVICES and the driver); set model.device to cpu or auto")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

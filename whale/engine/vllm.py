@@ -61,6 +61,7 @@ from whale.engine.base import (Generation, GenerationRequest, Recovery, Sampling
                                weights_kind)
 from whale.engine.openai import HTTPFailure, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
+from whale.errors import WhaleError
 from whale.engine.vllm_scoring import choice_logprobs, token_logprobs
 from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, server_cli_args
 
@@ -68,7 +69,7 @@ from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, serve
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-class ServerDown(RuntimeError):
+class ServerDown(WhaleError, RuntimeError):
     """The server is down and will not be restarted again (max_restarts spent, or it fails to start)."""
 
 

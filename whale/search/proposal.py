@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from whale.errors import WhaleError
 from whale.search.archive import Archive
 from whale.search.validate import parse_docstring_fields
 
@@ -37,8 +38,11 @@ class ProposalContext:
     seed: int = 0
 
 
-class ProposerStopped(RuntimeError):
-    """The proposer failed the same way round after round (search/loop.py): the search stops."""
+class ProposerStopped(WhaleError, RuntimeError):
+    """The proposer failed the same way round after round (search/loop.py): the search stops.
+    Its line already says how to continue (`whale run --resume`), so the CLI adds no second hint."""
+
+    resumable = False
 
 
 class Proposer(Protocol):

@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from whale.config import LoraConfig, WeightConfig
+from whale.errors import storage_error
 from whale.sysmem import release_free_memory
 from whale.weights.rows import TrainingRow
 
@@ -333,6 +334,24 @@ class Trainer:
         directory = Path(directory)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._write(tmp, version)
+        except Exception as exc:  # safetensors and torch.save hide the errno; ask the disk (errors.py)
+            failure = storage_error(exc, directory, f"saving weights {version}")
+            shutil.rmtree(tmp, ignore_errors=True)  # never a half checkpoint; state.json still names the last one
+            if failure is None:
+                raise
+            raise failure from exc
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+        self.version = version
+        return directory
+
+    def _write(self, tmp: Path, version: str) -> None:
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp)
         if self.cfg.finetune == "full" and self.tokenizer is not None:
@@ -351,14 +370,6 @@ class Trainer:
         if self.masters:
             (tmp / MASTERS_FILE).parent.mkdir()
             save_file(self.masters, tmp / MASTERS_FILE)
-        old = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-        self.version = version
-        return directory
 
     def load(self, directory: str | Path) -> str:
         """Restore weights, fp32 masters, optimizer, scheduler, step and RNG from `save`; returns
