@@ -1,4 +1,4 @@
-"""The `whale` command line (DESIGN §10). Errors are one readable line, never a traceback.
+"""The `whale` command line (docs/design.md, 4.7). Errors are one readable line, never a traceback.
 
 `_Commands.invoke` is the one place that turns an exception into that line (whale/errors.py
 phrases it), writes the traceback to `error.log` in the run directory the command works in (or a

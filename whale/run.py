@@ -20,7 +20,7 @@ unit's resume logic lives with the module that does the work:
 A phase boundary is one unit: the state that ends a weight step or a harness phase already names
 the next phase and, as `pending_eval`, the evaluation that closes it; that evaluation runs after
 the save, and a resumed run finishes it before anything else. So a kill during a closing
-evaluation never re-enters the phase it closed (docs/design.md, "Resume units").
+evaluation never re-enters the phase it closed (docs/design.md, section 9).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN §5): resolved config, atomic state, metrics, the rollout ledger.
+"""The run directory (docs/design.md, 4.6): resolved config, atomic state, metrics, the rollout ledger.
 
 Resume rests on four rules:
 - a *unit* of work (one weight step, one harness iteration, one evaluation) writes its metrics rows
@@ -35,7 +35,7 @@ from whale.errors import DamagedFile, StorageError, raise_naming
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
-# The re-scoring of the incoming harness is the first harness iteration (DESIGN §11), so it counts;
+# The re-scoring of the incoming harness is the first harness iteration (docs/design.md, section 9), so it counts;
 # it keeps its own line in the ledger so reports can show it apart.
 BUDGET_PURPOSES = ("weight", "harness", "rescore", "confirm")  # confirm: see whale/search/acceptance.py
 RECORDED_PURPOSES = ("eval", "smoke", "null_probe", "redone")

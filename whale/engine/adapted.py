@@ -7,8 +7,8 @@ Per decoder layer of SmolLM2-135M (its seven Linears, r = 16, bf16, one thread, 
 Xeon; benchmarks/lora_layers.py) that cost 2.1-2.3x the base layer's GEMMs at 1-8 rows, 3.0x at
 64, 3.2x at 256 and 5.5-6.2x at 1,024: most of it the float32 passes over the output, which grow
 with the rows of prefill forwards. Merging the update into the bf16 weights would be free but
-loses most of it (the delta is far below a bf16 ulp of W; docs/design.md, "LoRA layers in
-generation").
+loses most of it (the delta is far below a bf16 ulp of W; docs/design.md,
+section 8).
 
 What runs instead, for a layer with one active plain LoRA adapter (no DoRA or other variant, no
 bias, dropout off as in eval):

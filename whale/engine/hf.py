@@ -13,7 +13,7 @@ row or with a recent sequence (the k samples of a problem, an episode's next cal
 instead of recomputing it (whale/engine/kv.py), and `choices` of many requests are scored in one
 forward. `engine.stats` counts prefill tokens requested vs computed, decode steps and seconds.
 
-`choices` are scored at sequence level (DESIGN §4): every choice's canonical ids after the shared
+`choices` are scored at sequence level (docs/design.md, 4.1): every choice's canonical ids after the shared
 prompt, a choice drawn from softmax(log p(choice | prompt) / T). Token-by-token masking would
 distort that distribution.
 

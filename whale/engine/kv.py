@@ -25,7 +25,7 @@ attention took 13% less time, but whole replays showed no effect (0.98 [0.93, 1.
 growth past the largest slab so far zeroes a new buffer (below): a first batch decoding from 300 to
 1,500 columns would zero 12x the final slab's bytes (2.6x growing by half; the growth replayed on a
 small slab), about a minute of page faults for SmolLM2 at 64 rows. So it was not kept
-(docs/design.md, "KV layout").
+(docs/design.md, section 8).
 
 Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
 memory costs page faults on its first touch: measured on the math workload (64 episodes, slab

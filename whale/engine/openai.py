@@ -2,7 +2,7 @@
 
 What it is for: evaluation (a hosted or remote model behind a harness) and proposers. It returns
 text, never token ids (`returns_ids = False`), because re-tokenising text does not reproduce what
-was sampled, so it cannot produce training rows (DESIGN §4); the `vllm` backend can.
+was sampled, so it cannot produce training rows (docs/design.md, 4.1); the `vllm` backend can.
 
 How it maps the engine contract onto the chat API:
 - sampling: `temperature`, `top_p`, `seed`, `max_tokens`, `stop`, `n`. `top_k`, prefill

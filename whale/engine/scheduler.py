@@ -23,7 +23,7 @@ clears the prefix cache:
 `paused()` (load_weights, serve_model) clears it, and a stamp of the parameters' version counters,
 checked before each prefill, catches an in-place optimizer step nobody announced.
 
-Choices (DESIGN §4, sequence level). One row holds the prompt and then all of a request's choices
+Choices (docs/design.md 4.1, sequence level). One row holds the prompt and then all of a request's choices
 side by side: each choice token attends to the prompt and to its own earlier tokens only (a 4D
 "tree" mask), with rotary positions counted from the end of the prompt, so log p(choice | prompt)
 is exactly what a forward of prompt + choice alone gives, for all choices in one forward and for

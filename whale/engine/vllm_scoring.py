@@ -1,4 +1,4 @@
-"""Sequence-level log-probabilities from a vLLM server: `choices` (DESIGN §4) and per-token checks.
+"""Sequence-level log-probabilities from a vLLM server: `choices` (docs/design.md, 4.1) and per-token checks.
 
 Both are built on one primitive, `score(prompts, ids)`: a batched 1-token /v1/completions that
 returns, for each prompt, the raw log-probs (before temperature or top-k) of the next token being
