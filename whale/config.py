@@ -253,6 +253,10 @@ class ComputeConfig(_Strict):
     executor: Literal["local", "ray"] = Field("local", description="local: this process; ray: runner actors on a "
                                               "Ray cluster (docs/scale-out.md)")
     ray_address: str | None = Field(None, description="ray: the cluster to join (default: start a local one)")
+    train_ranks: int = Field(1, ge=1, le=1024, description="training processes of the weight phase: 1 trains in "
+                             "the whale process; N > 1 starts a group of N FSDP2 ranks once per run (one per GPU, "
+                             "NCCL; gloo on CPU), rank 0 saves each step's weights for the engine "
+                             "(docs/scale-out.md)")
 
 
 class LoggingConfig(_Strict):
