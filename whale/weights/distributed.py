@@ -280,17 +280,16 @@ class TrainGroup:
             try:
                 status, rank, payload = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [(r, p) for r, p in enumerate(self._procs) if r in pending and not p.is_alive()]
-                if dead:
-                    r, p = dead[0]
-                    self._stop()
-                    raise RankDied(f"training rank {r} (pid {p.pid}) died (exit code {p.exitcode}) "
-                                   f"during '{command}'") from None
+                self._raise_if_dead(command, pending)
                 if deadline is not None and time.monotonic() > deadline:
                     self._stop()
                     raise RuntimeError(f"the training ranks did not finish '{command}' within {timeout_s:.0f} s")
                 continue
             if status == "error":
+                # a rank whose peer died fails in its next collective: report the death, which a restart mends
+                for _ in range(5):
+                    self._raise_if_dead(command, set(range(self.ranks)) - {rank})
+                    time.sleep(1.0)
                 self._stop()
                 last = payload.strip().splitlines()[-1]
                 raise RuntimeError(f"training rank {rank} failed during '{command}': {last}\n{payload}")
@@ -298,6 +297,13 @@ class TrainGroup:
             if rank == 0:
                 answer = payload
         return answer
+
+    def _raise_if_dead(self, command: str, ranks: set[int]) -> None:
+        dead = [(r, p) for r, p in enumerate(self._procs) if r in ranks and not p.is_alive()]
+        if dead:
+            r, p = dead[0]
+            self._stop()
+            raise RankDied(f"training rank {r} (pid {p.pid}) died (exit code {p.exitcode}) during '{command}'")
 
     def _call(self, command: str, *args: Any) -> Any:
         for q in self._commands:
