@@ -176,19 +176,23 @@ def build_rank_trainer(cfg: Config, device: torch.device) -> ShardedTrainer:
                           param_dtype=None if compute == torch.float32 else compute)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent() -> None:
+    """End this worker when the driver ends (its pipe to us closes), however it ends."""
+    driver = mp.parent_process()
+
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
+        driver.join()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="whale-parent-watch").start()
 
 
 def worker_main(rank: int, world: int, init_method: str, cfg_json: str, generation: int,
-                commands: Any, results: Any, parent: int) -> None:
+                commands: Any, results: Any, environ: dict[str, str]) -> None:
     """One training rank: build the trainer, then answer the driver's commands until 'stop'."""
-    _exit_with_parent(parent)
+    _exit_with_parent()
+    os.environ.clear()  # the driver's environment now, not the fork server's when it started
+    os.environ.update(environ)
     cfg = Config.model_validate_json(cfg_json)
     device = rank_device(cfg, rank)
     if device.type == "cuda":
@@ -204,7 +208,9 @@ def worker_main(rank: int, world: int, init_method: str, cfg_json: str, generati
             command, args = commands.get()
             if command == "stop":
                 return
-            kill_point(f"{command}@rank{rank}#{generation}")  # the fault tests' hook (whale.store)
+            # the fault tests' hook (whale.store): e.g. train@rank1#0/step2 = rank 1 of the first group, in
+            # the train command that starts at optimizer step 2
+            kill_point(f"{command}@rank{rank}#{generation}/step{trainer.step}")
             if command == "train":
                 answer: Any = trainer.train_step(args[0])
             elif command == "save":
@@ -257,14 +263,17 @@ class TrainGroup:
         return [p.pid for p in self._procs]
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # forkserver: one process imports torch and transformers once; every rank (and every restart)
+        # is a fork of it, started in a fraction of a fresh interpreter's import time
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["whale.weights.distributed"])
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.ranks)]
         init = f"tcp://127.0.0.1:{_free_port()}"
         cfg_json = self.cfg.model_dump_json()
         self._procs = [ctx.Process(target=self.worker, daemon=True, name=f"whale-train-rank{r}",
                                    args=(r, self.ranks, init, cfg_json, self.generation, self._commands[r],
-                                         self._results, os.getpid()))
+                                         self._results, dict(os.environ)))
                        for r in range(self.ranks)]
         for p in self._procs:
             p.start()
