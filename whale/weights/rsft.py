@@ -234,7 +234,7 @@ class RSFT:
         serving the trainer's model) only the version tag changes; otherwise the engine loads the
         saved adapter/checkpoint."""
         path = self.trainer.save(self.weights_dir / version, version) if self.weights_dir is not None else None
-        if self.engine.weight_sync == "in_place":  # the engine serves the trainer's model object
+        if self.engine.weight_sync == "in_place" and self.trainer.in_process:  # it serves the trainer's model
             self.engine.load_weights(None, version)
             self.trainer.version = version
             return
