@@ -52,6 +52,13 @@ class ModelConfig(_Strict):
     vllm_env: dict[str, str] = Field(default_factory=dict, description="vllm: environment of the server, e.g. "
                                      "CUDA_VISIBLE_DEVICES or VLLM_CPU_KVCACHE_SPACE (GiB)")
     vllm_max_restarts: int = Field(3, ge=0, description="vllm: times a server that died is recovered in one run")
+    vllm_full_sync: Literal["rpc", "restart"] = Field(
+        "rpc", description="vllm: how full fine-tuned weights reach the server: rpc reloads them in the running "
+        "server (paused, prefix cache reset; a server WHALE starts gets VLLM_SERVER_DEV_MODE=1, one at base_url "
+        "needs it); restart starts the server again on the checkpoint")
+    colocate: bool = Field(False, description="vllm on one GPU with the trainer: the server sleeps (releases its "
+                           "weights and KV cache) while the trainer steps, and wakes on the new weights; needs CUDA "
+                           "(docs/scale-out.md)")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -390,7 +397,8 @@ def refuse_ignored_settings(cfg: Config) -> None:
     ignored = [
         ("model.base_url", m.base_url is not None and m.backend in ("hf", "null"), "model.backend vllm or openai"),
         *((f"model.{k}", getattr(m, k) != getattr(default, k) and m.backend != "vllm", "model.backend vllm")
-          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts")),
+          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts",
+                    "vllm_full_sync", "colocate")),
         ("model.api_key_env", m.api_key_env != default.api_key_env and m.backend != "openai", "model.backend openai"),
         ("compute.ray_address", cfg.compute.ray_address is not None and cfg.compute.executor != "ray",
          "compute.executor ray"),

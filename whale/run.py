@@ -393,7 +393,8 @@ class Experiment:
         hid = st["harness_id"]
         rsft = RSFT(self.runner, self._ensure_trainer(), self.engine, self.cfg.weight, self.stream,
                     self.harness_source(hid), hid, self.run_dir.path / "rows",
-                    weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts)
+                    weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts,
+                    colocated=self.cfg.model.colocate)
         while st["phase"] == "weight":
             if self.progress.phase_steps == 0:  # a new weight phase, also right after another one (kind gain)
                 self.patience.reset()
