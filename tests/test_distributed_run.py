@@ -34,8 +34,10 @@ def runs(tiny_model_dir, tmp_path_factory):
         configs[ranks] = tmp / f"ranks{ranks}.yaml"
         configs[ranks].write_text(dump_config(tiny_config(tiny_model_dir, **RUN, **{"compute.train_ranks": ranks})))
     # weight_step@w1: the second step trained and saved by rank 0, the run's state not saved yet;
+    # train@driver: the resumed run killed while its ranks train that step again;
     # rows@w2: the next step's rollouts on disk, the ranks idle
-    scenarios = {"one": (1, []), "two": (2, []), "two-killed": (2, ["weight_step@w1", "rows@w2"])}
+    scenarios = {"one": (1, []), "two": (2, []),
+                 "two-killed": (2, ["weight_step@w1", "train@driver", "rows@w2"])}
     chains = {name: {"config": str(configs[r]), "out": str(tmp / name), "points": points}
               for name, (r, points) in scenarios.items()}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
@@ -68,5 +70,5 @@ def test_two_ranks_report_the_steps_of_one(runs):
 
 
 def test_two_ranks_resume_after_sigkills(runs):
-    assert len(runs["two-killed"][1]) == 3
+    assert len(runs["two-killed"][1]) == 4
     assert outcome(finished(runs, "two-killed")) == outcome(finished(runs, "two"))

