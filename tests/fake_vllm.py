@@ -100,7 +100,9 @@ class FakeVLLM:
         if path == "/v1/unload_lora_adapter":
             self.adapters.remove(body["lora_name"])
             return 200, {}
-        if path in ("/collective_rpc", "/reset_prefix_cache"):
+        if path == "/collective_rpc" and "broken" in body["kwargs"]["weights_path"]:
+            return 500, {"error": {"message": "reload_weights failed: no safetensors"}}
+        if path.split("?")[0] in ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume", "/sleep", "/wake_up"):
             return 200, {"success": True}
         return 404, {"detail": "Not Found"}
 

@@ -73,7 +73,8 @@ def test_dump_roundtrip(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["demo", "searchqa_cpu", "math_cpu", "chess_cpu", "searchqa_qwen3.5-2b",
-                                  "math_qwen3.5-2b", "chess_qwen3.5-4b"])
+                                  "math_qwen3.5-2b", "chess_qwen3.5-4b", "math_qwen3.5-2b_full_8gpu",
+                                  "math_qwen3.5-2b_full_1gpu"])
 def test_shipped_configs_validate(name):
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     load_domain(load_config(path))  # the domain reads every setting the config gives (no data loaded yet)
@@ -85,6 +86,7 @@ def test_shipped_configs_validate(name):
     (["model.api_key_env=MY_KEY"], "model.api_key_env"),
     (["compute.ray_address=ray://head:10001"], "compute.ray_address"),
     (["weight.finetune=full", "weight.lora.r=64"], "weight.lora"),
+    (["model.colocate=true"], "model.colocate"),  # sleep mode is vLLM's
 ])
 def test_settings_the_mode_ignores_are_errors(sets, key):
     with pytest.raises(ConfigError, match=f"'{key}' is read only with"):

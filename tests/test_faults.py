@@ -101,7 +101,7 @@ def test_a_disk_that_fills_while_weights_are_saved_is_one_line_and_the_run_resum
     write = Trainer._write
     saves = []
 
-    def fill_then_write(self, tmp, version):
+    def fill_then_write(self, tmp, version, *state):
         saves.append(version)
         if version == "w1":
             if small_disk is not None:  # fill the real disk: the library meets the real ENOSPC
@@ -114,9 +114,9 @@ def test_a_disk_that_fills_while_weights_are_saved_is_one_line_and_the_run_resum
                     except OSError:
                         pass
             else:  # safetensors' own words for it
-                write(self, tmp, version)
+                write(self, tmp, version, *state)
                 raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
-        write(self, tmp, version)
+        write(self, tmp, version, *state)
 
     monkeypatch.setattr(Trainer, "_write", fill_then_write)
     line = the_error_line(whale("run", config_file(tmp_path, tiny_model_dir), "--out", out))

@@ -49,6 +49,13 @@ class ModelConfig(_Strict):
     vllm_env: dict[str, str] = Field(default_factory=dict, description="vllm: environment of the server, e.g. "
                                      "CUDA_VISIBLE_DEVICES or VLLM_CPU_KVCACHE_SPACE (GiB)")
     vllm_max_restarts: int = Field(3, ge=0, description="vllm: times a server that died is recovered in one run")
+    vllm_full_sync: Literal["rpc", "restart"] = Field(
+        "rpc", description="vllm: how full fine-tuned weights reach the server: rpc reloads them in the running "
+        "server (paused, prefix cache reset; a server WHALE starts gets VLLM_SERVER_DEV_MODE=1, one at base_url "
+        "needs it); restart starts the server again on the checkpoint")
+    colocate: bool = Field(False, description="vllm on one GPU with the trainer: the server sleeps (releases its "
+                           "weights and KV cache) while the trainer steps, and wakes on the new weights; needs CUDA "
+                           "(docs/scale-out.md)")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -269,6 +276,10 @@ class ComputeConfig(_Strict):
     executor: Literal["local", "ray"] = Field("local", description="local: this process; ray: runner actors on a "
                                               "Ray cluster (docs/scale-out.md)")
     ray_address: str | None = Field(None, description="ray: the cluster to join (default: start a local one)")
+    train_ranks: int = Field(1, ge=1, le=1024, description="training processes of the weight phase: 1 trains in "
+                             "the whale process; N > 1 starts a group of N FSDP2 ranks once per run (one per GPU, "
+                             "NCCL; gloo on CPU), rank 0 saves each step's weights for the engine "
+                             "(docs/scale-out.md)")
 
 
 class LoggingConfig(_Strict):
@@ -411,7 +422,8 @@ def refuse_ignored_settings(cfg: Config) -> None:
     ignored = [
         ("model.base_url", m.base_url is not None and m.backend in ("hf", "null"), "model.backend vllm or openai"),
         *((f"model.{k}", getattr(m, k) != getattr(default, k) and m.backend != "vllm", "model.backend vllm")
-          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts")),
+          for k in ("vllm_args", "data_parallel_size", "gpu_memory_utilization", "vllm_env", "vllm_max_restarts",
+                    "vllm_full_sync", "colocate")),
         ("model.api_key_env", m.api_key_env != default.api_key_env and m.backend != "openai", "model.backend openai"),
         ("compute.ray_address", cfg.compute.ray_address is not None and cfg.compute.executor != "ray",
          "compute.executor ray"),

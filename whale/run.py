@@ -44,6 +44,7 @@ from whale.search.proposers import make_proposer
 from whale.search.validate import static_check
 from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary, read_metrics
 from whale.weights.patience import WeightPatience
+from whale.weights.distributed import TrainGroup
 from whale.weights.rsft import RSFT, ProblemStream
 from whale.weights.from_disk import training_model
 from whale.weights.trainer import Trainer
@@ -121,7 +122,7 @@ class Experiment:
         self.schedule = self._make_schedule()
         self.progress = Progress(**state.get("progress", {}))
         self._state_defaults()
-        self.trainer: Trainer | None = None
+        self.trainer: Trainer | TrainGroup | None = None
         self._batches: dict[str, int] = {}  # search ledger keys seen in this process (see _count_search)
         self._recoveries_logged = 0  # of engine.recoveries (see _log_recoveries)
         if state["weights_version"] != "base":
@@ -202,6 +203,8 @@ class Experiment:
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
         self.runner.close()
+        if self.trainer is not None:
+            self.trainer.close()
         self.engine.close()
 
     def save(self) -> None:
@@ -356,16 +359,19 @@ class Experiment:
             self.save()
 
     # ------------------------------------------------------------------ weights on disk
-    def _ensure_trainer(self) -> Trainer:
+    def _ensure_trainer(self) -> Trainer | TrainGroup:
         if self.trainer is None:
             sync = self.engine.weight_sync
-            if sync == "in_place":  # hf: train the served model object itself, no copy
-                model, tokenizer = self.engine.model, self.engine.tokenizer
-            elif sync == "from_disk":  # vLLM: train an hf copy; RSFT saves adapters, the server loads them
-                model, tokenizer = training_model(self.cfg)
-            else:
+            if sync not in ("in_place", "from_disk"):
                 raise ConfigError(f"model.backend {self.cfg.model.backend!r} serves inference only; "
                                   "weight phases need backend hf or vllm")
+            if self.cfg.compute.train_ranks > 1:  # ranks in their own processes; the engine loads rank 0's saves
+                self.trainer = TrainGroup(self.cfg)
+                return self.trainer
+            if sync == "in_place":  # hf: train the served model object itself, no copy
+                model, tokenizer = self.engine.model, self.engine.tokenizer
+            else:  # vLLM: train an hf copy; RSFT saves adapters, the server loads them
+                model, tokenizer = training_model(self.cfg)
             self.trainer = Trainer(model, tokenizer, self.cfg.weight, seed=self.cfg.seed,
                                    temperature=max(self.cfg.sampling.temperature, 1e-3))
             if sync == "in_place":
@@ -378,7 +384,7 @@ class Experiment:
             raise ConfigError(f"state.json names weights {version} but {path} is missing")
         trainer = self._ensure_trainer()
         trainer.load(path)
-        in_place = self.engine.weight_sync == "in_place"
+        in_place = self.engine.weight_sync == "in_place" and trainer.in_process
         self.engine.load_weights(None if in_place else str(path), version)
 
     def weights_needed(self) -> set[str]:
@@ -404,7 +410,8 @@ class Experiment:
         hid = st["harness_id"]
         rsft = RSFT(self.runner, self._ensure_trainer(), self.engine, self.cfg.weight, self.stream,
                     self.harness_source(hid), hid, self.run_dir.path / "rows",
-                    weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts)
+                    weights_dir=self.run_dir.path / "weights", on_rollouts=self._count_weight_rollouts,
+                    colocated=self.cfg.model.colocate)
         while st["phase"] == "weight":
             if self.progress.phase_steps == 0:  # a new weight phase, also right after another one (kind gain)
                 self.patience.reset()

@@ -24,12 +24,21 @@ def make_engine(cfg: Config) -> Engine:
                         cpu_threads=m.cpu_threads)
     if m.backend == "vllm":
         from whale.engine.default_model import resolve_model_path
+        from whale.engine.hf import resolve_device
         from whale.engine.vllm import VLLMEngine
+
+        if m.colocate and resolve_device(m.device).type != "cuda":
+            raise ConfigError("model.colocate needs a CUDA GPU for the trainer and the vLLM server (sleep mode is "
+                              "not supported on CPU); set model.colocate false")
+        if m.colocate and cfg.compute.train_ranks > 1:
+            raise ConfigError("model.colocate is the one-GPU mode: use compute.train_ranks 1 with it, or give the "
+                              "server its own GPUs (docs/scale-out.md)")
 
         return VLLMEngine(str(resolve_model_path(m.name)), base_url=m.base_url, extra_args=m.vllm_args,
                           lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len, dtype=m.dtype,
                           data_parallel_size=m.data_parallel_size, gpu_memory_utilization=m.gpu_memory_utilization,
-                          env=m.vllm_env, max_concurrency=m.max_batch_size, max_restarts=m.vllm_max_restarts)
+                          env=m.vllm_env, max_concurrency=m.max_batch_size, max_restarts=m.vllm_max_restarts,
+                          full_sync=m.vllm_full_sync, colocate=m.colocate)
     if m.backend == "openai":
         from whale.engine.openai import OpenAIEngine
 

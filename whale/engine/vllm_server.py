@@ -93,7 +93,8 @@ def is_cpu_build(python: str) -> bool:
 
 def server_cli_args(*, max_lora_rank: int, max_loras: int, prefix_caching: bool, max_model_len: int | None,
                     cpu_build: bool, data_parallel_size: int, gpu_memory_utilization: float | None,
-                    tokenizer_path: str | None, dtype: str, extra_args: list[str]) -> list[str]:
+                    tokenizer_path: str | None, dtype: str, extra_args: list[str],
+                    sleep_mode: bool = False) -> list[str]:
     """The server's command line after `--model M --host H --port P`; the user's `extra_args` last.
 
     `--generation-config vllm` keeps the model's generation_config.json out of sampling (vllm.py);
@@ -114,6 +115,8 @@ def server_cli_args(*, max_lora_rank: int, max_loras: int, prefix_caching: bool,
         args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if tokenizer_path:
         args += ["--tokenizer", tokenizer_path]
+    if sleep_mode:
+        args += ["--enable-sleep-mode"]
     if dtype != "auto":
         args += ["--dtype", dtype]
     return args + list(extra_args)

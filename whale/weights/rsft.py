@@ -143,7 +143,7 @@ class RSFT:
     def __init__(self, runner: Any, trainer: Any, engine: Any, cfg: WeightConfig, stream: ProblemStream,
                  harness_source: str, harness_id: str, rows_dir: str | Path, *,
                  weights_dir: str | Path | None = None,
-                 on_rollouts: Callable[[dict[str, Any]], None] | None = None):
+                 on_rollouts: Callable[[dict[str, Any]], None] | None = None, colocated: bool = False):
         self.runner = runner
         self.trainer = trainer
         self.engine = engine
@@ -154,6 +154,7 @@ class RSFT:
         self.rows_dir = Path(rows_dir)
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.on_rollouts = on_rollouts
+        self.colocated = colocated  # the engine is a vLLM server on the trainer's GPU (model.colocate)
 
     def set_harness(self, source: str, harness_id: str) -> None:
         self.harness_source = source
@@ -183,7 +184,13 @@ class RSFT:
                              "accepted trajectories have no trainable token ids")
             return result
 
-        stats = self.trainer.train_step(rows)
+        if self.colocated:  # one GPU: the server gives its memory to the trainer for the step
+            self.engine.sleep()
+        try:
+            stats = self.trainer.train_step(rows)
+        finally:
+            if self.colocated:
+                self.engine.wake_up()
         version = f"w{step_index}"
         self._push(version)
         result.trained_tokens = int(stats["trained_tokens"])
@@ -234,7 +241,7 @@ class RSFT:
         serving the trainer's model) only the version tag changes; otherwise the engine loads the
         saved adapter/checkpoint."""
         path = self.trainer.save(self.weights_dir / version, version) if self.weights_dir is not None else None
-        if self.engine.weight_sync == "in_place":  # the engine serves the trainer's model object
+        if self.engine.weight_sync == "in_place" and self.trainer.in_process:  # it serves the trainer's model
             self.engine.load_weights(None, version)
             self.trainer.version = version
             return

@@ -129,6 +129,11 @@ def _chunk_nll(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 class Trainer:
     """Online SFT on the engine's model. `train_step(rows)` is one RSFT weight update.
 
+    One process, one device. whale/weights/distributed.py's `ShardedTrainer` is this class on one
+    rank of an FSDP2 group: it overrides the hooks marked "rank hook" below (which rows this
+    process trains, the token count across ranks, the full state for a checkpoint), so the loss,
+    mini-batches and checkpoint layout stay the ones written here.
+
     Parameters:
         model: the causal LM the engine serves (wrapped with LoRA here unless `finetune: full`).
         tokenizer: its tokenizer (pad id; saved next to full checkpoints).
@@ -166,6 +171,7 @@ class Trainer:
             self._base().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if cfg.finetune == "lora":
                 self.model.enable_input_require_grads()
+        self._shard()
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         if not self.params:
@@ -180,11 +186,49 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
-        supported = self._head_split() is not None
+        supported = self._head_split() is not None and self.world == 1  # sharded: see ShardedTrainer
         if chunked and not supported:
             raise ValueError("chunked cross-entropy is not supported for this architecture")
         self.chunked = supported if chunked is None else chunked
         self.model.eval()
+
+    # ------------------------------------------------------------------ rank hooks (one process: identities)
+    in_process = True  # the engine of this process may serve `self.model` itself (attach)
+    world = 1  # training processes sharing each mini-batch (ShardedTrainer: the group's size)
+
+    def _shard(self) -> None:
+        """Rank hook: wrap the model for data-parallel training before the optimizer sees its parameters."""
+
+    def _rank_rows(self, batch: list[TrainingRow]) -> list[TrainingRow]:
+        """Rank hook: the rows of a mini-batch this process trains."""
+        return batch
+
+    def _all_sum(self, value: Any) -> Any:
+        """Rank hook: an int or float summed over the ranks (a loss-token count, the step's stats)."""
+        return value
+
+    def _aligned(self, micros: list[list[TrainingRow]], batch: list[TrainingRow]) -> list[tuple[list[TrainingRow], float]]:
+        """Rank hook: (micro-batch, loss weight) pairs; every rank must run as many forwards."""
+        return [(m, 1.0) for m in micros]
+
+    def _clip(self, max_norm: float) -> float:
+        """Rank hook: clip the gradient to `max_norm` and return its norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.optimized, max_norm))
+
+    def _full_state(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+        """Rank hook: (model state dict or None for `save_pretrained`'s own, optimizer state dict)."""
+        return None, self.optimizer.state_dict()
+
+    @property
+    def writer(self) -> bool:
+        """Rank hook: whether this process writes checkpoints."""
+        return True
+
+    def _after_save(self) -> None:
+        """Rank hook: wait until the writer has written."""
+
+    def close(self) -> None:
+        """Nothing to release in one process (a training group stops its workers)."""
 
     # ------------------------------------------------------------------ model plumbing
     def _base(self) -> nn.Module:
@@ -292,18 +336,22 @@ class Trainer:
         self.model.train()
         try:
             for batch in self.minibatches(rows):
-                n_loss = sum(int(sum(r.loss_mask[1:])) for r in batch)
+                mine = self._rank_rows(batch)
+                # the token mean over the whole mini-batch: every rank divides by the same count and
+                # scales by the group's size, which the gradient's average over ranks divides out
+                n_loss = self._all_sum(sum(int(sum(r.loss_mask[1:])) for r in mine))
                 if n_loss == 0:
                     continue
-                for micro in pack_micro_batches(batch, self.cfg.micro_batch_tokens):
+                for micro, weight in self._aligned(pack_micro_batches(mine, self.cfg.micro_batch_tokens), batch):
                     ids, attn, mask = self._collate(micro)
                     nll = self._nll_sum(ids, attn, mask)
-                    (nll / n_loss).backward()
+                    (nll / n_loss * (self.world * weight)).backward()
                     self._grads_to_masters()
-                    total_nll += float(nll.detach())
-                    input_tokens += int(attn.sum())
+                    if weight:
+                        total_nll += float(nll.detach())
+                        input_tokens += int(attn.sum())
                 max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.optimized, max_norm)))
+                norms.append(self._clip(max_norm))
                 self.optimizer.step()
                 self._masters_to_params()
                 self.scheduler.step()
@@ -316,6 +364,7 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
             self.model.eval()
             release_free_memory()  # the step's activations were freed into the heap: give the pages back
+        total_nll, input_tokens = self._all_sum(total_nll), self._all_sum(input_tokens)
         return {
             "loss": total_nll / max(loss_tokens, 1),
             "trained_tokens": loss_tokens,
@@ -330,12 +379,22 @@ class Trainer:
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | Path, version: str) -> Path:
         """Write the adapter (PEFT folder) or full weights plus `trainer_state.pt`, atomically:
-        into a temp sibling that replaces `directory` only once complete."""
+        into a temp sibling that replaces `directory` only once complete. In a training group every
+        rank calls it (gathering the state is a collective) and the writer rank writes."""
         directory = Path(directory)
+        weights, optimizer = self._full_state()
+        if self.writer:
+            self._write_atomically(directory, version, weights, optimizer)
+        self._after_save()
+        self.version = version
+        return directory
+
+    def _write_atomically(self, directory: Path, version: str, weights: dict[str, torch.Tensor] | None,
+                          optimizer: dict[str, Any]) -> None:
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self._write(tmp, version)
+            self._write(tmp, version, weights, optimizer)
         except Exception as exc:  # safetensors and torch.save hide the errno; ask the disk (errors.py)
             failure = storage_error(exc, directory, f"saving weights {version}")
             shutil.rmtree(tmp, ignore_errors=True)  # never a half checkpoint; state.json still names the last one
@@ -348,19 +407,19 @@ class Trainer:
             directory.rename(old)
         tmp.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
-        self.version = version
-        return directory
 
-    def _write(self, tmp: Path, version: str) -> None:
+    def _write(self, tmp: Path, version: str, weights: dict[str, torch.Tensor] | None,
+               optimizer: dict[str, Any]) -> None:
         tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp)
+        self.model.save_pretrained(tmp, state_dict=weights)
         if self.cfg.finetune == "full" and self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         state = {
             "finetune": self.cfg.finetune,
             "version": version,
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "world": self.world,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "python_rng": self._rng.getstate(),
             "torch_rng": torch.get_rng_state(),
@@ -383,6 +442,26 @@ class Trainer:
         if state["finetune"] != self.cfg.finetune:
             raise ValueError(f"{directory} holds a '{state['finetune']}' checkpoint but weight.finetune "
                              f"is '{self.cfg.finetune}'")
+        if state.get("world", 1) != self.world:
+            raise ValueError(f"{directory} was saved by {state.get('world', 1)} training ranks, this trainer has "
+                             f"{self.world}: keep compute.train_ranks as the run started with")
+        self._load_weights(directory)
+        self._load_optimizer(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self._rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.version = state["version"]
+        return self.version
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """Rank hook: restore the optimizer from what `_full_state` returned."""
+        self.optimizer.load_state_dict(state)
+
+    def _load_weights(self, directory: Path) -> None:
+        """Rank hook: the saved adapter or full weights (and fp32 masters) into the model."""
         device = str(self.device)
         if self.cfg.finetune == "lora":
             from peft import set_peft_model_state_dict
@@ -407,16 +486,6 @@ class Trainer:
                 raise ValueError(f"{directory}: weights do not fit this model "
                                  f"(unexpected {result.unexpected_keys[:3]}, missing {untied[:3]})")
         self._load_masters(directory)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self._rng.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.version = state["version"]
-        return self.version
-
 
     def _load_masters(self, directory: Path) -> None:
         path = directory / MASTERS_FILE
