@@ -287,9 +287,9 @@ def test_val_best_pair_is_measured_on_test_at_the_end(tiny_model_dir, tmp_path, 
     weights and evaluating test under them (event eval_selected); the final-vs-final numbers stay."""
     import dataclasses
 
-    import whale.run as run_module
+    import whale.evaluate as evaluate_module
 
-    real, val_calls = run_module.evaluate, []
+    real, val_calls = evaluate_module.evaluate, []
 
     def evaluate_with_a_val_peak(*args, split="test", **kw):
         result, trajs = real(*args, split=split, **kw)
@@ -299,7 +299,7 @@ def test_val_best_pair_is_measured_on_test_at_the_end(tiny_model_dir, tmp_path, 
                 result = dataclasses.replace(result, mean_at_k=2.0)
         return result, trajs
 
-    monkeypatch.setattr(run_module, "evaluate", evaluate_with_a_val_peak)
+    monkeypatch.setattr(evaluate_module, "evaluate", evaluate_with_a_val_peak)
     cfg = tiny_config(tiny_model_dir, **{"schedule.kind": "weight_only", "eval.every_steps": 1,
                                          "eval.intermediate_splits": "[val]"})
     run_dir = run_experiment(cfg, out=tmp_path / "wo")

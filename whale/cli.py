@@ -161,9 +161,7 @@ def eval_cmd(
     overrides = ([f"domain.name={domain}"] if domain else []) + ([f"model.name={model}"] if model else []) + list(set_)
     cfg = _config(str(Path(run, "config.yaml")) if run else config, overrides)
     from whale.domains import SPLITS, load_domain
-    from whale.engine import make_engine
-    from whale.evaluate import eval_seed, evaluate
-    from whale.harness.runner import RolloutRunner
+    from whale.evaluate import Evaluator, eval_seed
     from whale.search.validate import static_check
 
     k = cfg.eval.k if k is None else k
@@ -175,31 +173,23 @@ def eval_cmd(
     weights_dir = _weights_folder(weights, run)
     if out:
         _working_in(out)
-    try:
-        dom = load_domain(cfg)
-        problems = dom.load_splits()[split][: limit or None]
-        source, harness_id = _read_harness(harness, dom, run)
-        problem = static_check(source, cfg)
-        if problem:
-            _fail(f"harness {harness}: {problem}")
-        engine = make_engine(cfg)
-        if weights_dir:
-            engine.load_weights(weights_dir, Path(weights_dir).name)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-    runner = RolloutRunner(engine, dom, cfg)
+    dom = load_domain(cfg)
+    splits = dom.load_splits()
+    source, harness_id = _read_harness(harness, dom, run)
+    problem = static_check(source, cfg)
+    if problem:
+        _fail(f"harness {harness}: {problem}")
     seed = eval_seed(cfg.seed, split)
-    try:
-        traces = Path(out) / "traces.jsonl" if out else None
-        result, _ = evaluate(runner, source, problems, k, split=split, harness_id=harness_id, seed=seed,
-                             progress=f"eval {dom.name}/{split}", traces_path=traces)
-    finally:
-        runner.close()
-        engine.close()
+    with Evaluator(cfg, dom, splits) as evaluator:
+        if weights_dir:
+            evaluator.engine.load_weights(weights_dir, Path(weights_dir).name)
+        result, _ = evaluator.measure(source, split, harness_id=harness_id, k=k, limit=limit,
+                                      progress=f"eval {dom.name}/{split}",
+                                      traces_path=Path(out) / "traces.jsonl" if out else None)
     summary = result.to_json(with_per_problem=True)
     summary["domain"] = dom.name
     summary["seed"] = seed
-    summary["grader"] = getattr(dom, "grader_name", cfg.domain.grader)
+    summary["grader"] = cfg.domain.grader
     if out:
         Path(out, "summary.json").write_text(json.dumps(summary, indent=1))
     table = Table(title=f"{dom.name} / {split} / {harness_id} (k={k})")
@@ -332,19 +322,14 @@ def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa |
     """The same checks the search applies: static checks, then a smoke episode in the sandbox."""
     cfg = _config(config, [f"domain.name={domain}"] + list(set_))
     from whale.domains import load_domain
-    from whale.engine import make_engine
-    from whale.harness.runner import RolloutRunner
+    from whale.evaluate import Evaluator
     from whale.search.validate import validate_candidate
 
     dom = load_domain(cfg)
     source, _ = _read_harness(path, dom)
-    engine = make_engine(cfg)
-    runner = RolloutRunner(engine, dom, cfg)
-    try:
-        ok, reason = validate_candidate(source, dom, cfg, runner, base_source=dom.base_harness(),
-                                        prompt_only=prompt_only, harness_problems=dom.load_splits()["harness"])
-    finally:
-        runner.close()
+    with Evaluator(cfg, dom) as evaluator:  # the runner the search's smoke episodes use
+        ok, reason = validate_candidate(source, dom, cfg, evaluator.runner, base_source=dom.base_harness(),
+                                        prompt_only=prompt_only, harness_problems=evaluator.splits["harness"])
     if not ok:
         _fail(f"invalid harness: {reason}")
     console.print(f"[green]valid[/]: {path}")

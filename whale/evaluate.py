@@ -15,7 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from whale.config import Config
+from whale.domains import Domain, load_domain
 from whale.domains.base import Problem
+from whale.engine import make_engine
+from whale.executor import make_executor
 from whale.harness.runner import RolloutRunner, derive_seed
 from whale.harness.trajectory import Trajectory
 
@@ -124,3 +128,48 @@ def evaluate(runner: RolloutRunner, harness_source: str, problems: list[Problem]
                 f.write(json.dumps(t.to_json(gold=gold[t.problem_id] if gold_in_traces else None,
                                              include_ids=False)) + "\n")
     return result, trajs
+
+
+class Evaluator:
+    """The one way a (harness, weights) pair is measured: a config's domain and splits, its engine,
+    and a runner on that engine; `measure` evaluates a harness on a split with the split's seed.
+
+    A run's evaluations, `whale eval` and `whale matrix` all measure through it, so a number from
+    any of them is the same measurement: the same problems (`eval.limit`), k, seeds
+    (`eval_seed(seed, split)`) and runner. Give `domain` and `splits` when the caller has loaded
+    (and checked) them already. The engine serves whatever weights were last loaded into it.
+    """
+
+    def __init__(self, cfg: Config, domain: Domain | None = None, splits: dict[str, list[Problem]] | None = None):
+        self.cfg = cfg
+        self.domain = domain if domain is not None else load_domain(cfg)
+        self.splits = splits if splits is not None else self.domain.load_splits()
+        self.engine = make_engine(cfg)
+        try:
+            self.runner = make_executor(cfg, self.engine, self.domain)
+        except BaseException:
+            self.engine.close()
+            raise
+
+    def problems(self, split: str, limit: int | None = None) -> list[Problem]:
+        """The first `limit` problems of `split` (default `eval.limit`; None or 0: all)."""
+        limit = self.cfg.eval.limit if limit is None else limit
+        return self.splits[split][: limit or None]
+
+    def measure(self, source: str, split: str, *, harness_id: str, k: int | None = None, limit: int | None = None,
+                progress: str | None = None, traces_path: str | Path | None = None) -> tuple[EvalResult, list[Trajectory]]:
+        return evaluate(self.runner, source, self.problems(split, limit), self.cfg.eval.k if k is None else k,
+                        split=split, harness_id=harness_id, seed=eval_seed(self.cfg.seed, split), progress=progress,
+                        traces_path=traces_path)
+
+    def close(self) -> None:
+        try:
+            self.runner.close()
+        finally:
+            self.engine.close()
+
+    def __enter__(self) -> "Evaluator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

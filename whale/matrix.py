@@ -23,7 +23,6 @@ would have measured for that pair:
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from whale.config import Config, ConfigError, config_from_dict  # noqa: E402
 from whale.domains import SPLITS, load_domain  # noqa: E402
-from whale.engine import make_engine  # noqa: E402
 from whale.engine.default_model import resolve_model_path  # noqa: E402
-from whale.evaluate import bootstrap_ci, eval_seed, evaluate  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.evaluate import Evaluator, bootstrap_ci  # noqa: E402
 from whale.search.archive import Archive  # noqa: E402
 from whale.store import (Ledger, append_line, atomic_write, fingerprint_problems, read_metrics,  # noqa: E402
                          version_step)
@@ -149,7 +146,7 @@ class Matrix:
         self.out = self.main.path / "matrix"
         self.cells_path = self.out / "cells.jsonl"
         self.domain = load_domain(self.cfg)
-        splits = self.domain.load_splits()
+        self.splits = splits = self.domain.load_splits()
         saved = (self.main.state.get("data_fingerprints") or {}).get(split)
         if saved and fingerprint_problems({split: splits[split]})[split] != saved:
             raise ConfigError(f"the {split} split differs from the one {self.main.path} was run on "
@@ -228,10 +225,9 @@ class Matrix:
         for w in todo:
             if w.path is not None and not w.path.is_dir():
                 raise ConfigError(f"weights {w.label} are missing ({w.path})")
-        engine = make_engine(self.cfg)
-        runner = RolloutRunner(engine, self.domain, self.cfg)
         base_path = str(resolve_model_path(self.cfg.model.name))
-        try:
+        with Evaluator(self.cfg, self.domain, self.splits) as evaluator:
+            engine = evaluator.engine
             first = True
             for w, hs in todo.items():  # base (if needed) first: a fresh engine serves the base model
                 if w.path is not None:
@@ -240,13 +236,9 @@ class Matrix:
                     engine.load_weights(None if engine.weight_sync == "from_disk" else base_path, BASE)
                 first = False
                 for h in hs:
-                    result, _ = evaluate(runner, self._harness_source(h), self.problems, self.k, split=self.split,
-                                         harness_id=h.harness_id, seed=eval_seed(self.cfg.seed, self.split),
-                                         progress=f"matrix {h.label} x {w.label}" if progress else None)
+                    result, _ = evaluator.measure(self._harness_source(h), self.split, harness_id=h.harness_id,
+                                                  k=self.k, progress=f"matrix {h.label} x {w.label}" if progress else None)
                     self._store(h, w, result.to_json(with_per_problem=True), reused=False)
-        finally:
-            runner.close()
-            engine.close()
 
     # ------------------------------------------------------------------ reading
     def cell(self, h: str, w: str) -> dict[str, Any]:

@@ -32,10 +32,8 @@ from rich.console import Console
 
 from whale.config import Config, ConfigError
 from whale.domains import load_domain
-from whale.engine import make_engine
 from whale.engine.default_model import resolve_model_path
-from whale.evaluate import eval_seed, evaluate
-from whale.executor import make_executor
+from whale.evaluate import Evaluator
 from whale.harness.runner import derive_seed
 from whale.schedule import Progress, Schedule
 from whale.search.archive import Archive
@@ -114,9 +112,12 @@ class Experiment:
         self.run_dir = run
         self.state = state
         self.unit = "start"
-        self.domain, self.splits = self._load_data()
-        self.engine = self._start_engine()
-        self.runner = self._make_runner()
+        domain, splits = self._load_data()
+        self._fingerprint_model()
+        self.evaluator = Evaluator(cfg, domain, splits)  # the engine and the runner every phase uses
+        self.domain, self.splits = domain, splits
+        self.engine, self.runner = self.evaluator.engine, self.evaluator.runner
+        self.runner.journal = lambda t: self.run_dir.journal(self.unit, t)
         self.archive = self._open_archive()
         self.stream, self.patience = self._weight_phase_state()
         self.schedule = self._make_schedule()
@@ -140,17 +141,10 @@ class Experiment:
         self.state.setdefault("data_fingerprints", prints)
         return domain, splits
 
-    def _start_engine(self):
-        engine = make_engine(self.cfg)
+    def _fingerprint_model(self) -> None:
         if "model_fingerprint" not in self.state:
             local = self.cfg.model.backend in ("hf", "vllm")
             self.state["model_fingerprint"] = fingerprint_model(resolve_model_path(self.cfg.model.name)) if local else {}
-        return engine
-
-    def _make_runner(self):
-        runner = make_executor(self.cfg, self.engine, self.domain)
-        runner.journal = lambda t: self.run_dir.journal(self.unit, t)
-        return runner
 
     def _open_archive(self) -> Archive:
         """The archive with h0, and the user's `harness.initial` (a child of h0) as the starting
@@ -202,10 +196,11 @@ class Experiment:
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
-        self.runner.close()
-        if self.trainer is not None:
-            self.trainer.close()
-        self.engine.close()
+        try:
+            if self.trainer is not None:
+                self.trainer.close()
+        finally:
+            self.evaluator.close()
 
     def save(self) -> None:
         self._log_recoveries()
@@ -311,11 +306,9 @@ class Experiment:
     def _evaluate_split(self, unit: str, split: str, hid: str, version: str):
         """One evaluation unit: harness `hid` under the weights the engine serves (`version`)."""
         self.unit = unit
-        problems = self.splits[split][: self.cfg.eval.limit or None]
-        result, trajs = evaluate(self.runner, self.harness_source(hid), problems, self.cfg.eval.k, split=split,
-                                 harness_id=hid, seed=eval_seed(self.cfg.seed, split),
-                                 progress=f"eval {split} ({hid}, {version})",
-                                 traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
+        result, trajs = self.evaluator.measure(self.harness_source(hid), split, harness_id=hid,
+                                               progress=f"eval {split} ({hid}, {version})",
+                                               traces_path=self.run_dir.path / "evals" / f"{unit}.jsonl")
         self.run_dir.count_trajectories(unit, "eval", trajs)
         console.print(f"  {unit}: mean@{result.k} {result.mean_at_k:.3f} "
                       f"[{result.ci95[0]:.3f}, {result.ci95[1]:.3f}] pass@{result.k} {result.pass_at_k:.3f}")
