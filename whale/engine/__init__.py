@@ -32,7 +32,7 @@ def make_engine(cfg: Config) -> Engine:
                               "not supported on CPU); set model.colocate false")
         if m.colocate and cfg.compute.train_ranks > 1:
             raise ConfigError("model.colocate is the one-GPU mode: use compute.train_ranks 1 with it, or give the "
-                              "server its own GPUs (docs/scale-out.md)")
+                              "server its own GPUs (docs/guides/scale-out.md)")
 
         return VLLMEngine(str(resolve_model_path(m.name)), base_url=m.base_url, extra_args=m.vllm_args,
                           lora_rank=cfg.weight.lora.r, max_model_len=m.max_model_len, dtype=m.dtype,

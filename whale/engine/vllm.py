@@ -3,7 +3,7 @@
 WHALE never imports vllm. It starts a server process (whale/engine/vllm_server.py) with the python
 of a vLLM install (`python=`, else $WHALE_VLLM_PYTHON, else this interpreter), or talks to a running
 one (`base_url`), so vLLM lives in its own environment with its own pinned torch (on CPU:
-scripts/setup_vllm_cpu.sh). docs/vllm.md has the measurements behind the choices below.
+scripts/setup_vllm_cpu.sh). docs/guides/gpu-vllm.md has the measurements behind the choices below.
 
 Every request goes through endpoints that give exact ids, so rows are trainable (`returns_ids`):
 1. POST /tokenize with the chat messages (+ tools, template kwargs; a trailing assistant message

@@ -4,7 +4,7 @@ A vLLM server runs in its own process (and its own venv), so the trainer cannot 
 it serves: it trains its own transformers copy of the same checkpoint, RSFT saves the adapter after
 each step, and the server loads it (`engine.load_weights(path, version)`). The copy never serves a
 rollout. It lives on `model.device` (auto: the first GPU, else the CPU) in the dtype the hf engine
-would use there; one process, one device (docs/vllm.md says what several GPUs do and do not do).
+would use there; one process, one device (docs/guides/gpu-vllm.md says what several GPUs do and do not do).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def training_model(cfg: Config) -> tuple[Any, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("whale run is one process: under torchrun/accelerate every rank would run the whole "
                           "experiment, start its own vLLM server and write the same run directory. Start it "
-                          "with plain `whale run`; spread rollouts with model.data_parallel_size (docs/vllm.md)")
+                          "with plain `whale run`; spread rollouts with model.data_parallel_size (docs/guides/gpu-vllm.md)")
     path = str(resolve_model_path(cfg.model.name))
     device = resolve_device(cfg.model.device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.model.dtype, device)).to(device)
