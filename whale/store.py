@@ -410,7 +410,7 @@ def environment_record(cfg: Config) -> dict[str, Any]:
 
 def source_commit() -> str | None:
     """The git commit WHALE runs from ("+dirty" with uncommitted changes to tracked files), or None
-    outside a git checkout: runs of one comparison made across sessions say which code made them."""
+    outside a git checkout: runs of one comparison made on several days say which code made them."""
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
         return None
