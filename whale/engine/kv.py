@@ -17,14 +17,10 @@ Unwritten columns are zeros and stale columns hold finite values from earlier se
 columns get zero attention weight, and 0 x finite = 0 (0 x NaN would not be), which is why the
 slab starts zeroed and why padding queries attend column 0 instead of nothing.
 
-Columns grow by half, like rows, though a CPU decode step reads every column the slab holds (a
-contiguous block, engine/attention.py: oneDNN's bf16 batched GEMM on a column-sliced view ran 2-6x
-slower), so up to a third of what it reads can be beyond every live row. Growing columns to
-the next multiple of 64 instead (tried 2026-12-06): on search QA the decode steps read 0.82x the columns and their
-attention took 13% less time, but whole replays showed no effect (0.98 [0.93, 1.04]), and every
-growth past the largest slab so far zeroes a new buffer (below): a first batch decoding from 300 to
-1,500 columns would zero 12x the final slab's bytes (2.6x growing by half; the growth replayed on a
-small slab), about a minute of page faults for SmolLM2 at 64 rows. So it was not kept
+Columns grow by half, like rows. Growing them to the next multiple of 64 instead was tried
+(2026-12-06): whole replays showed no effect (0.98 [0.93, 1.04]), and with kept storage every growth
+past the largest slab so far zeroes a new buffer, up to 12x the final slab's bytes for a first
+batch decoding from 300 to 1,500 columns (2.6x growing by half). So it was not kept
 (docs/design.md, section 8).
 
 Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
