@@ -51,6 +51,9 @@ def load_domain(cfg: Config) -> Domain:
         raise ConfigError(f"unknown domain '{cfg.domain.name}': choose one of {', '.join(DOMAIN_NAMES)} "
                           "or set domain.module")
     missing = [m for m in ("load_splits", "make_env", "grade", "base_harness") if not callable(getattr(domain, m, None))]
+    missing += [m for m in ("answer_format", "hints") if not hasattr(domain, m)]
     if missing:
-        raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain)")
+        raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain; "
+                          "a domain without a text answer or hints declares `answer_format = None`, "
+                          "`hints = Hints()`)")
     return domain

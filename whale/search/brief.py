@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from whale.config import Config
+from whale.search.mechanism import hints_in_use
 
 CONTRACT = """\
 A harness is ONE Python file that defines
@@ -90,6 +91,7 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
         f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
         f"at most {cfg.sampling.max_tokens_cap}.\n",
         "\n## The domain\n\n", str(getattr(domain, "brief", "")).strip() + "\n",
+        *hints_section(domain, cfg),
         "\n## What to read\n\n", READ.format(archive=archive_path, version=weights_version),
         "\n## Where things stand\n\n",
         f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
@@ -118,3 +120,19 @@ def make_brief(domain: Any, cfg: Config, n: int, *, weights_version: str, incomi
             "```python\n" + (base_source or "").rstrip() + "\n```\n",
         ]
     return "".join(parts)
+
+
+# ----- the domain's hints (harness.domain_hints) -------------------------------------------------
+def hints_section(domain: Any, cfg: Config) -> list[str]:
+    """The domain's declared knowledge as text, the same hints the offline proposer applies as
+    "hint: <name>" mechanisms; nothing when `harness.domain_hints` is off or the domain has none."""
+    hints = hints_in_use(domain, cfg.harness.domain_hints)
+    if not hints.text and not hints.mechanisms:
+        return []
+    parts = ["\n## Domain hints (what is known to help on this task)\n\n"]
+    if hints.text:
+        parts.append(hints.text.strip() + "\n")
+    if hints.mechanisms:
+        parts.append("Mechanisms that worked here before (one per candidate, if the traces call for it):\n")
+        parts += [f"- {m.name}: {m.hypothesis}\n" for m in hints.mechanisms if not m.name.startswith("system_prompt")]
+    return parts
