@@ -16,6 +16,7 @@ and at what the domain declares (`Domain.answer_format`):
   tool_error        a tool call was refused or failed
   format_mismatch   the submission does not match the grader's declared answer format
   empty_format      it matches, but the answer inside is empty
+  multiline_answer  the answer inside runs over several lines (an answer and what followed it)
 
 Domain-aware modes come from the domain's hints (`Hints.episode_modes`, `Hints.main_tool`: e.g.
 search QA's off-topic retrieval, math's missing \\boxed{}, chess's illegal moves, a never-called
@@ -39,13 +40,14 @@ MODES: dict[str, str] = {
     "tool_error": "a tool call was refused or failed",
     "format_mismatch": "the submission does not match the answer format the grader reads",
     "empty_format": "the submission matches the answer format, but the answer in it is empty",
+    "multiline_answer": "the answer in the format runs over several lines (the answer and what followed it)",
     "length_cutoff": "a model call was cut off at max_tokens",
     "wrong_answer": "the episode ran cleanly and answered wrongly",
 }
 # ties go to the upstream cause: retrieval before reading before format (a domain's modes sit
 # before the general format and answer modes, in the order its hints list them)
 _GENERAL_FIRST = ["harness_error", "no_submission", "unused_tool", "tool_error"]
-_GENERAL_LAST = ["length_cutoff", "format_mismatch", "empty_format", "wrong_answer"]
+_GENERAL_LAST = ["length_cutoff", "format_mismatch", "empty_format", "multiline_answer", "wrong_answer"]
 
 
 def mode_order(hints: Hints = NO_HINTS) -> list[str]:
@@ -133,6 +135,8 @@ def episode_modes(row: dict[str, Any], answer_format: AnswerFormat | None = None
             modes.append("format_mismatch")
         elif not extracted:
             modes.append("empty_format")
+        elif "\n" in extracted:
+            modes.append("multiline_answer")
     return list(dict.fromkeys(modes)) or ["wrong_answer"]
 
 

@@ -112,6 +112,12 @@ def general_library(fmt: AnswerFormat | None, cfg: Config, solved: list[tuple[st
                             "reply an answer in it.", wrap("answer_prefill", fill(B.ANSWER_PREFILL, open=fmt.open,
                                                                                    close=fmt.close)),
                             fixes=("format_mismatch", "empty_format", "length_cutoff")))
+    if fmt.open:
+        lib.append(Mutation("answer_line_stop", "Answers opened in the format run on past their first line "
+                            "(explanations, a next question), which the grader reads as the answer; stopping at the "
+                            "line's end keeps the answer alone.",
+                            wrap("answer_line_stop", fill(B.ANSWER_LINE_STOP, open=fmt.open), needs=fmt.open),
+                            fixes=("multiline_answer", "length_cutoff", "empty_format"), keeps_layout=True))
     if fmt.choices:
         lib.append(Mutation("constrained_answer", f"The grader accepts only {list(fmt.choices)}; choosing among "
                             "them with llm(..., choices=...) makes every answer one of them, drawn from the model's "

@@ -9,6 +9,7 @@ here are domain-general; a domain's own blocks live with its hints (whale/domain
 from whale.search.blocks.common import HELPERS, HELPERS_MARK, MAJORITY_VOTE, SYSTEM_PROMPTS
 from whale.search.blocks.generic import (
     ANSWER_EXTRACTION,
+    ANSWER_LINE_STOP,
     ANSWER_PREFILL,
     CONSTRAINED_ANSWER,
     FEW_SHOT,
@@ -18,6 +19,7 @@ from whale.search.blocks.generic import (
 
 __all__ = [
     "ANSWER_EXTRACTION",
+    "ANSWER_LINE_STOP",
     "ANSWER_PREFILL",
     "CONSTRAINED_ANSWER",
     "FEW_SHOT",

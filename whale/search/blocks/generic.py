@@ -175,3 +175,27 @@ def run(env, llm):
 
     return __INNER__(env, longer_llm)
 '''
+
+# An answer opened by a prefill runs on past its first line (an explanation, the next question):
+# stop it at the line's end, so the grader reads the answer alone; a reply that opened with a line
+# break takes the first non-empty line of a free completion instead.
+ANSWER_LINE_STOP = r'''
+ALS_OPEN = __OPEN__
+
+
+def run(env, llm):
+    def line_llm(messages, **kw):
+        last = messages[-1] if messages else {}
+        if kw.get("choices") or kw.get("tools") or kw.get("n", 1) != 1 or last.get("role") != "assistant" \
+                or not str(last.get("content", "")).rstrip().endswith(ALS_OPEN):
+            return llm(messages, **kw)
+        stop = list(kw.get("stop") or [])
+        out = llm(messages, **dict(kw, stop=stop + ["\n"]))
+        if str(out).strip():
+            return out
+        out = llm(messages, **dict(kw, stop=stop or None))
+        lines = [ln.strip() for ln in str(out).splitlines() if ln.strip()]
+        return _MutText(lines[0] if lines else str(out), out.finish_reason)
+
+    return __INNER__(env, line_llm)
+'''
