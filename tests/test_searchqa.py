@@ -620,6 +620,11 @@ def test_h0_end_to_end_in_sandboxed_runner(domain):
     assert sum(t.reward for t in closed_book) == 0.0
 
 
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"question": "broken", "golden_answers": ', r"train.jsonl:3 is not valid JSON"),
+    ('["a", "list"]', r"row 3 of 'train' is a list"),
+    ('{"golden_answers": ["x"]}', r"row 3 of 'train' needs 'question' and 'golden_answers'"),
+])
 def test_a_malformed_row_is_a_data_error_naming_where(tmp_path, bad_line, message):
     """A DataError is a ConfigError: `whale run` prints it as one line (exit 2), not a traceback."""
     rows = [json.dumps(r) for r in _searchr1_rows()]
