@@ -11,6 +11,8 @@ import json
 import random
 import re
 
+import pytest
+
 from whale.config import Config
 from whale.domains.base import AnswerFormat, Problem
 from whale.domains.reasoning_gym.domain import ReasoningGymDomain
@@ -186,6 +188,28 @@ def test_few_shot_shows_solved_harness_episodes_but_never_an_episodes_own_answer
     _, own = play(source, "Hola. Es tarde.", lambda m, kw: "Spanish")
     assert {"role": "assistant", "content": "Spanish"} not in own[0]["messages"]  # its own answer is left out
     assert "few_shot" not in {m.name for m in M.general_library(LABELS, Config(), [])}  # nothing solved: none
+
+
+def test_answer_trim_turns_partial_credit_into_full_credit():
+    pytest.importorskip("reasoning_gym")  # the optional extra whose scorer gives the partial credit
+    from whale.domains.reasoning_gym.grading import grade_reasoning_gym
+
+    def row(answer, reward):
+        return {"question": "q", "reward": reward, "answer": answer, "calls": [], "tool_calls": []}
+
+    assert episode_modes(row("<answer>No.</answer>", 2 / 3), TAGS) == ["partial_credit"]
+    assert diagnose([row("<answer>No.</answer>", 2 / 3)], TAGS).failures == 1  # below full credit: diagnosed
+    problem = Problem(id="p", question="Does it follow? (Answer Yes or No)", answer="No", source="syllogism",
+                      meta={"task": "syllogism", "config": {},
+                            "entry": {"question": "q", "answer": "No", "metadata": {}}})
+    model = lambda m, kw: "<answer>No.</answer>"  # noqa: E731
+    before, _ = play(PLAIN_H0, "q", model)
+    after, _ = play(applied("answer_trim", PLAIN_H0, TAGS), "q", model)
+    assert 0 < grade_reasoning_gym(problem, before) < 1 and grade_reasoning_gym(problem, after) == 1.0
+    assert after == "<answer>No</answer>"
+    plain, _ = play(applied("answer_trim", LANG_H0, AnswerFormat("the number", pattern=r"\d+")), "q",
+                    lambda m, kw: " 42. ")
+    assert plain == "42"
 
 
 def test_more_tokens_doubles_the_replys_room_up_to_the_cap():

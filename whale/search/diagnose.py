@@ -6,7 +6,9 @@ episodes by *why* they failed and fix the most common reason. This module is tha
 It is shared: the mutation proposer picks mechanisms that address the dominant mode (and writes
 the diagnosis into the candidate's hypothesis), and the LLM proposers' brief gets the same text.
 
-A failed episode (reward < 0.5) can show several modes; each is counted once per episode.
+A failed episode (reward below full credit, 1) can show several modes; each is counted once per
+episode. Full credit, not 0.5, because some graders give partial credit (reasoning-gym's default
+scorer gives 2/3 to "No." for the gold "No"), and an answer that lost a third is worth fixing.
 General modes look only at the trace contract (errors, finish reasons, tool calls, the answer)
 and at what the domain declares (`Domain.answer_format`):
 
@@ -17,6 +19,7 @@ and at what the domain declares (`Domain.answer_format`):
   format_mismatch   the submission does not match the grader's declared answer format
   empty_format      it matches, but the answer inside is empty
   multiline_answer  the answer inside runs over several lines (an answer and what followed it)
+  partial_credit    the grader gave part of the reward: the answer is near the gold, not it
 
 Domain-aware modes come from the domain's hints (`Hints.episode_modes`, `Hints.main_tool`: e.g.
 search QA's off-topic retrieval, math's missing \\boxed{}, chess's illegal moves, a never-called
@@ -41,13 +44,15 @@ MODES: dict[str, str] = {
     "format_mismatch": "the submission does not match the answer format the grader reads",
     "empty_format": "the submission matches the answer format, but the answer in it is empty",
     "multiline_answer": "the answer in the format runs over several lines (the answer and what followed it)",
+    "partial_credit": "the grader gave part of the reward: the answer is near the gold but not it (extra characters?)",
     "length_cutoff": "a model call was cut off at max_tokens",
     "wrong_answer": "the episode ran cleanly and answered wrongly",
 }
 # ties go to the upstream cause: retrieval before reading before format (a domain's modes sit
 # before the general format and answer modes, in the order its hints list them)
 _GENERAL_FIRST = ["harness_error", "no_submission", "unused_tool", "tool_error"]
-_GENERAL_LAST = ["length_cutoff", "format_mismatch", "empty_format", "multiline_answer", "wrong_answer"]
+_GENERAL_LAST = ["length_cutoff", "format_mismatch", "empty_format", "multiline_answer", "partial_credit",
+                 "wrong_answer"]
 
 
 def mode_order(hints: Hints = NO_HINTS) -> list[str]:
@@ -98,7 +103,7 @@ def diagnose(traces: Iterable[dict[str, Any]], answer_format: AnswerFormat | Non
     d = Diagnosis(order=mode_order(hints), descriptions={**hints.modes, **MODES})
     for row in traces:
         d.episodes += 1
-        if float(row.get("reward") or 0.0) >= 0.5:
+        if float(row.get("reward") or 0.0) >= 1.0:
             continue
         d.failures += 1
         for mode in episode_modes(row, answer_format, hints):
@@ -137,6 +142,8 @@ def episode_modes(row: dict[str, Any], answer_format: AnswerFormat | None = None
             modes.append("empty_format")
         elif "\n" in extracted:
             modes.append("multiline_answer")
+    if 0.0 < float(row.get("reward") or 0.0) < 1.0:
+        modes.append("partial_credit")
     return list(dict.fromkeys(modes)) or ["wrong_answer"]
 
 

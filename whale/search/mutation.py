@@ -118,6 +118,10 @@ def general_library(fmt: AnswerFormat | None, cfg: Config, solved: list[tuple[st
                             "line's end keeps the answer alone.",
                             wrap("answer_line_stop", fill(B.ANSWER_LINE_STOP, open=fmt.open), needs=fmt.open),
                             fixes=("multiline_answer", "length_cutoff", "empty_format"), keeps_layout=True))
+    lib.append(Mutation("answer_trim", "The grader gives only part of the reward to answers near the gold; "
+                        "submitting the answer without the punctuation, quotes and spaces around it gets full credit.",
+                        wrap("answer_trim", fill(B.ANSWER_TRIM, open=fmt.open, close=fmt.close)),
+                        fixes=("partial_credit",), keeps_layout=True))
     if fmt.choices:
         lib.append(Mutation("constrained_answer", f"The grader accepts only {list(fmt.choices)}; choosing among "
                             "them with llm(..., choices=...) makes every answer one of them, drawn from the model's "

@@ -199,3 +199,36 @@ def run(env, llm):
 
     return __INNER__(env, line_llm)
 '''
+
+# The grader gives part of the reward for an answer near the gold: the answer the grader reads is
+# submitted without the spaces, quotes, asterisks and closing punctuation around it ("No." -> "No").
+ANSWER_TRIM = r'''
+AT_OPEN = __OPEN__
+AT_CLOSE = __CLOSE__
+
+
+def _at_trim(text):
+    return text.strip().strip("\"'*`").rstrip(".!;:,").strip()
+
+
+def run(env, llm):
+    class _TrimEnv:
+        """env whose submit trims the answer the grader reads."""
+
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+        def submit(self, answer):
+            answer = str(answer)
+            if AT_OPEN and AT_CLOSE:
+                start = answer.rfind(AT_OPEN)
+                end = answer.find(AT_CLOSE, start + len(AT_OPEN)) if start >= 0 else -1
+                if end >= 0:
+                    inner = answer[start + len(AT_OPEN):end]
+                    answer = answer[:start + len(AT_OPEN)] + _at_trim(inner) + answer[end:]
+            else:
+                answer = _at_trim(answer)
+            return env.submit(answer)
+
+    return __INNER__(_TrimEnv(), llm)
+'''
