@@ -45,7 +45,8 @@ REMARKS = {
                 "Ho fame."],
 }
 SENTENCES = {
-    "English": ["The cat is sleeping on the sofa.", "We are going to the beach tomorrow.", "Where is the train station?",
+    "English": ["The cat is sleeping on the sofa.", "We are going to the beach tomorrow.",
+                "Where is the train station?",
                 "My sister lives in a small town.", "The children are playing in the garden.",
                 "I would like a cup of coffee.", "The weather is very nice today.", "We ate bread and cheese."],
     "French": ["Le chat dort sur le canapé.", "Nous allons à la plage demain.", "Où est la gare ?",
@@ -60,7 +61,8 @@ SENTENCES = {
                "Ich hätte gern eine Tasse Kaffee.", "Das Wetter ist heute sehr schön.",
                "Wir haben Brot und Käse gegessen."],
     "Italian": ["Il gatto dorme sul divano.", "Domani andiamo al mare.", "Dov'è la stazione?",
-                "Mia sorella abita in un piccolo paese.", "I bambini giocano in giardino.", "Vorrei una tazza di caffè.",
+                "Mia sorella abita in un piccolo paese.", "I bambini giocano in giardino.",
+                "Vorrei una tazza di caffè.",
                 "Oggi fa molto bel tempo.", "Abbiamo mangiato pane e formaggio."],
 }
 LABELS = tuple(SENTENCES)

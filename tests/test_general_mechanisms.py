@@ -249,7 +249,8 @@ def test_hints_off_the_proposer_fixes_the_format_with_general_mechanisms_only(tm
     assert {p.mechanism for p in got[:3]} <= {"constrained_answer", "answer_extraction", "format_repair",
                                               "system_prompt_rewrite"}
     assert all("format_mismatch in 6/6" in p.hypothesis for p in got)
-    on = M.MutationProposer(seed=0, cfg=Config()).propose(lang_archive(tmp_path / "b"), LanguageDomain, 6, tmp_path, ctx)
+    on = M.MutationProposer(seed=0, cfg=Config()).propose(lang_archive(tmp_path / "b"), LanguageDomain, 6, tmp_path,
+                                                          ctx)
     hinted = [p for p in on if p.mechanism == "hint: label_only_reminder"]
     assert hinted and "Mechanism: hint: label_only_reminder" in hinted[0].source
 
@@ -273,7 +274,8 @@ def test_report_and_compare_name_the_proposer_hints_and_accepted_mechanisms(tmp_
     line = provenance_line(search_provenance(cfg, rows))
     assert line == ("proposer **mutation**, domain hints **off**, accepted mechanisms: "
                     "h2 = answer_extraction + hint: label_only_reminder")
-    assert _method(cfg) == "harness_only+hints-off" and _method({"schedule": {"kind": "harness_only"}}) == "harness_only"
+    assert _method(cfg) == "harness_only+hints-off"
+    assert _method({"schedule": {"kind": "harness_only"}}) == "harness_only"
     assert search_provenance({"schedule": {"kind": "weight_only"}}, rows) == {}
     assert json.dumps(search_provenance({"schedule": {"kind": "whale"}}, []))  # old runs: hints were on
     assert re.search(r"hints \*\*on\*\*", provenance_line(search_provenance({"schedule": {"kind": "whale"}}, [])))

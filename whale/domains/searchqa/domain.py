@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import AnswerFormat, EpisodeEnv, EpisodeError, Problem, Setting, refuse_unread_settings, split_sizes
+from whale.domains.base import (AnswerFormat, EpisodeEnv, EpisodeError, Problem, Setting, refuse_unread_settings,
+                                split_sizes)
 from whale.domains.searchqa import data, factbook, grading
 from whale.domains.searchqa.hints import HINTS
 from whale.domains.searchqa.retrieval import BM25Retriever, HTTPRetriever, load_corpus
