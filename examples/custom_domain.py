@@ -18,7 +18,8 @@ import functools
 import random
 
 from whale.config import Config
-from whale.domains.base import EpisodeEnv, EpisodeError, Problem
+from whale.domains.base import AnswerFormat, EpisodeEnv, EpisodeError, Problem
+from whale.search.mechanism import NO_HINTS
 
 FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60, ("min", "s"): 60}
 
@@ -58,6 +59,8 @@ class UnitsDomain:
     brief = ("Questions 'How many <unit> are in N <unit>?'. env.calculate(a, op, b) is a calculator. "
              "Submit the number only with env.submit(str). Graded by numeric equality.")
     grader_name = "numeric"
+    answer_format = AnswerFormat("the number only", pattern=r"^\s*-?\d+(?:\.\d+)?\s*$")  # what the grader reads
+    hints = NO_HINTS  # no knowledge for proposers beyond the above (see examples/label_domain.py for a hint)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

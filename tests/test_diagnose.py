@@ -8,7 +8,11 @@ from whale.config import Config
 from whale.search import mutation as M
 from whale.search.archive import Archive
 from whale.search.brief import make_brief
-from whale.search.diagnose import diagnose, episode_modes, key_terms
+from whale.domains.chess.domain import ChessDomain
+from whale.domains.math.domain import MathDomain
+from whale.domains.searchqa.domain import SearchQADomain
+from whale.domains.searchqa.hints import key_terms
+from whale.search.diagnose import diagnose, episode_modes
 from whale.search.proposal import ProposalContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +32,17 @@ def row(question, query=None, passages=(), answer="<answer>x</answer>", reward=0
 
 Q = "What is the capital of Kenya?"
 KENYA = ("Kenya: Government > Capital > name", "Nairobi")
-RELATION_FIXES = {"more_passages", "longer_passages", "query_rewrite", "question_as_query", "more_search_turns",
-                  "rerank_passages"}
-RELATION_KEEPS_LAYOUT = {"query_rewrite", "question_as_query", "rerank_passages"}
+RELATION_FIXES = {"hint: " + n for n in ("more_passages", "longer_passages", "query_rewrite", "question_as_query",
+                                          "more_search_turns")}
+RELATION_KEEPS_LAYOUT = {"hint: query_rewrite", "hint: question_as_query"}
+
+
+def searchqa_modes(r):
+    return episode_modes(r, SearchQADomain.answer_format, SearchQADomain.hints)
+
+
+def by_label():
+    return {m.label: m for m in M.mutations_for(SearchQA(), Config())}
 
 
 def test_key_terms_split_entity_from_what_is_asked():
@@ -54,33 +66,37 @@ def test_each_searchqa_failure_mode_is_recognised():
         "wrong_answer": row(Q, "Kenyan capital", [KENYA], answer="<answer>Mombasa</answer>"),
     }
     for mode, r in cases.items():
-        assert mode in episode_modes(r, "searchqa"), (mode, episode_modes(r, "searchqa"))
-    assert episode_modes(cases["wrong_answer"], "searchqa") == ["wrong_answer"]
+        assert mode in searchqa_modes(r), (mode, searchqa_modes(r))
+    assert searchqa_modes(cases["wrong_answer"]) == ["wrong_answer"]
 
 
 def test_diagnosis_counts_failures_only_and_names_the_dominant_mode():
     rows = [row(Q, "your query", [("Paris: x", "Paris")]) for _ in range(5)] + \
         [row(Q, "Kenya", [KENYA], answer="<answer>It is the city of Nairobi in Kenya</answer>") for _ in range(2)] + \
         [row(Q, "Kenya", [KENYA], answer="<answer>Nairobi</answer>", reward=1.0) for _ in range(3)]
-    d = diagnose(rows, "searchqa")
+    d = diagnose(rows, SearchQADomain.answer_format, SearchQADomain.hints)
     assert (d.episodes, d.failures, d.dominant) == (10, 7, "off_topic_query")
     assert d.counts["long_answer"] == 2 and "off_topic_query in 5/7" in d.text()
-    assert "All 3 episodes succeeded" in diagnose(rows[-3:], "searchqa").text()
+    assert "All 3 episodes succeeded" in diagnose(rows[-3:], SearchQADomain.answer_format, SearchQADomain.hints).text()
 
 
 def test_math_and_chess_modes():
     boxed = row("Compute 2+2.", answer="The answer is 4")
-    assert {"unused_tool", "no_boxed_answer"} <= set(episode_modes(boxed, "math"))
+    assert {"unused_tool", "no_boxed_answer", "format_mismatch"} <= set(episode_modes(boxed, MathDomain.answer_format,
+                                                                                       MathDomain.hints))
+    assert episode_modes(boxed, MathDomain.answer_format) == ["format_mismatch"]  # hints off: the general mode only
     illegal = {"question": "mate", "reward": 0.0, "answer": "e2e5", "calls": [],
                "tool_calls": [{"name": "move", "args": ["e2e5"], "kwargs": {},
                                "result": {"error": "illegal or unparsable move 'e2e5' in this position"}}]}
-    assert "illegal_move" in episode_modes(illegal, "chess")
-    assert episode_modes(row("anything", answer="7"), "custom") == ["wrong_answer"]  # generic domain
+    assert "illegal_move" in episode_modes(illegal, ChessDomain.answer_format, ChessDomain.hints)
+    assert episode_modes(row("anything", answer="7")) == ["wrong_answer"]  # a domain that declares nothing
 
 
 class SearchQA:
     name = "searchqa"
     brief = "search QA"
+    answer_format = SearchQADomain.answer_format
+    hints = SearchQADomain.hints
 
 
 def archive_with(tmp_path, rows, version: str = "v0") -> Archive:
@@ -101,17 +117,18 @@ def test_mutation_proposer_addresses_the_dominant_failure_and_says_why(tmp_path)
     bad_queries = archive_with(tmp_path / "a", [row(Q, "your query", [("Paris: x", "Paris")])] * 8)
     for seed in range(4):
         first = M.MutationProposer(seed=seed).propose(bad_queries, SearchQA(), 2, tmp_path / "ws", ctx)
-        assert {p.mechanism for p in first} == {"question_as_query", "force_retrieval"}
+        assert {p.mechanism for p in first} == {"hint: question_as_query", "hint: force_retrieval"}
     hyp = first[0].hypothesis
     assert "off_topic_query in 8/8" in hyp and "addresses off_topic_query" in hyp and first[0].parent == "h0"
     sentences = archive_with(tmp_path / "b", [row(Q, "Kenya", [KENYA], answer="<answer>" + "word " * 9 + "</answer>")] * 8)
     got = M.MutationProposer(seed=0).propose(sentences, SearchQA(), 2, tmp_path / "ws", ctx)
     assert len(got) == 2 and \
-        all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == p.mechanism)) for p in got)
+        all("long_answer" in by_label()[p.mechanism].fixes for p in got)
 
 
 def test_brief_carries_the_same_diagnosis(tmp_path):
-    text = diagnose([row(Q, "your query", [("Paris: x", "Paris")])], "searchqa").text()
+    text = diagnose([row(Q, "your query", [("Paris: x", "Paris")])], SearchQADomain.answer_format,
+                    SearchQADomain.hints).text()
     brief = make_brief(SearchQA(), Config(), 2, weights_version="v0", incoming_id="h0", diagnoses={"h0": text})
     assert "What the traces show" in brief and text in brief
     assert "adapted to the layout" in brief  # trained weights: keep the context's layout
@@ -143,28 +160,29 @@ def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp
     ctx = ProposalContext(iteration=2, weights_version="base", incoming_id="h0")
     first = M.MutationProposer(seed=0).propose(archive, SearchQA(), 3, tmp_path / "ws", ctx)
     long_fixes = {p.mechanism for p in first}
-    assert all("long_answer" in M.fixes_of(next(m for m in M.LIBRARY if m.name == name)) for name in long_fixes)
+    assert all("long_answer" in by_label()[name].fixes for name in long_fixes)
     same = archive.traces("h0", "base")
     for p in first:  # scored under the base weights, failing as h0 does: no better than their parent, each one lost
         cid = archive.add_candidate(p.source, "h0", "mutation", p.hypothesis, p.mechanism)
         archive.record_scores(cid, "base", [Trajectory.from_json({**t, "harness_id": cid}) for t in same])
     assert M.mechanism_record(archive) == {name: (1, 0) for name in long_fixes}
     ctx = ProposalContext(iteration=3, weights_version="base", incoming_id="h0")
-    nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 6, tmp_path / "ws", ctx)
+    nxt = M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)
     assert {p.mechanism for p in nxt} == RELATION_FIXES, [p.mechanism for p in nxt]
     # under weights trained since, the layout rule comes first: the three layout-preserving relation
     # fixes, then the layout-preserving fix that lost (under other weights), then layout changes
     archive.record_scores("h0", "v1", [Trajectory.from_json(t) for t in same])
     ctx = ProposalContext(iteration=3, weights_version="v1", incoming_id="h0")
-    got = [p.mechanism for p in M.MutationProposer(seed=0).propose(archive, SearchQA(), 6, tmp_path / "ws", ctx)]
-    assert set(got[:3]) == RELATION_KEEPS_LAYOUT and got[3] == "answer_first_line", got
-    assert set(got[4:]) <= RELATION_FIXES - M.KEEPS_LAYOUT, got
+    got = [p.mechanism for p in M.MutationProposer(seed=0).propose(archive, SearchQA(), 5, tmp_path / "ws", ctx)]
+    assert set(got[:2]) == RELATION_KEEPS_LAYOUT and got[2] == "hint: answer_first_line", got
+    keeps = {label for label, m in by_label().items() if m.keeps_layout}
+    assert set(got[3:]) <= RELATION_FIXES - keeps, got
 
 
 def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
-    """Passages that miss the relation: six mechanisms address it; three change the layout of the
-    model's context (more or longer passages, more search turns), three only change which passage
-    is retrieved (the query, or the order of the passages). Under
+    """Passages that miss the relation: five mechanisms address it; three change the layout of the
+    model's context (more or longer passages, more search turns), two only change which passage
+    is retrieved (the query). Under
     the base weights the draw among them is seeded; under weights trained in the run the three
     layout-preserving ones come first for every seed (trained weights co-adapt with the layout)."""
     no_relation = row(Q, "Kenya", [("Kenya: Geography > Location", "Eastern Africa")], answer="<answer>Africa</answer>")
@@ -175,5 +193,6 @@ def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
             ctx = ProposalContext(iteration=2, weights_version=version, incoming_id="h0")
             got = M.MutationProposer(seed=seed).propose(archive, SearchQA(), 2, tmp_path / "ws", ctx)
             seen.update(p.mechanism for p in got)
-    assert trained_first <= RELATION_KEEPS_LAYOUT <= M.KEEPS_LAYOUT and len(trained_first) >= 2
-    assert base_first - M.KEEPS_LAYOUT, base_first  # without the rule a layout change is drawn first
+    keeps = {label for label, m in by_label().items() if m.keeps_layout}
+    assert trained_first <= RELATION_KEEPS_LAYOUT <= keeps and len(trained_first) >= 2
+    assert base_first - keeps, base_first  # without the rule a layout change is drawn first

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import pytest
 
 from whale.config import Config, ConfigError, load_config
+from whale.search.mechanism import NO_HINTS
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 from whale.engine.null import NullEngine
@@ -80,6 +81,8 @@ class AddEnv(EpisodeEnv):
 class ToyDomain:
     name = "toy"
     brief = "Questions 'What is A + B?'. env.add(a, b) returns a + b. Submit the number."
+    answer_format = None
+    hints = NO_HINTS
 
     def __init__(self, n=6):
         self.problems = [Problem(id=f"p{i}", question=f"What is {i} + {2 * i + 1}?", answer=str(3 * i + 1))
@@ -639,24 +642,34 @@ def real_h0(domain):
     return path.read_text()
 
 
+def declared(domain):
+    """The domain class (its declared answer_format and hints are class attributes)."""
+    from whale.domains.chess.domain import ChessDomain
+    from whale.domains.math.domain import MathDomain
+    from whale.domains.searchqa.domain import SearchQADomain
+
+    return {"searchqa": SearchQADomain, "math": MathDomain, "chess": ChessDomain, "toy": ToyDomain}[domain]
+
+
 @pytest.mark.parametrize("domain", ["searchqa", "math", "chess", "toy"])
 def test_every_mutation_applies_to_the_base_harness_and_stays_valid(domain):
     source = TOY_H0 if domain == "toy" else real_h0(domain)
     cfg = Config()
     names = []
-    for mutation in M.mutations_for(domain):
+    for mutation in M.mutations_for(declared(domain), cfg):
         new = M.apply_mutation(mutation, source, "h0", random.Random(0))
         assert new is not None, f"{mutation.name} does not apply to {domain} h0"
         assert static_check(new, cfg) is None, (mutation.name, static_check(new, cfg))
         assert code_hash(new) != code_hash(source)
         fields = dict(re.findall(r"^(Mechanism|Parent): (.+)$", new, re.M))
-        assert fields == {"Mechanism": mutation.name, "Parent": "h0"}
+        assert fields == {"Mechanism": mutation.label, "Parent": "h0"}
         if mutation.prompt_only:
             assert check_prompt_only(new, source) is None, mutation.name
         assert M.apply_mutation(mutation, new, "h1", random.Random(0)) is None or mutation.prompt_only
         names.append(mutation.name)
     assert len(names) >= (2 if domain == "toy" else 5)
-    assert M.mutations_for(domain, prompt_only=True) and all(m.prompt_only for m in M.mutations_for(domain, True))
+    only = M.mutations_for(declared(domain), cfg, prompt_only=True)
+    assert only and all(m.prompt_only for m in only)
 
 
 def test_mutation_proposer_is_seeded_prefers_valid_parents_and_skips_known_code(tmp_path):
@@ -666,6 +679,8 @@ def test_mutation_proposer_is_seeded_prefers_valid_parents_and_skips_known_code(
 
     class Chess:
         name = "chess"
+        answer_format = None
+        hints = declared("chess").hints
 
     ctx = ProposalContext(iteration=2, weights_version="v0", incoming_id="h0")
     a = M.MutationProposer(seed=3).propose(archive, Chess(), 4, tmp_path / "ws", ctx)
@@ -684,7 +699,7 @@ def test_mutation_proposer_is_seeded_prefers_valid_parents_and_skips_known_code(
 
 def test_move_annotations_match_python_chess():
     chess = pytest.importorskip("chess")
-    from whale.search import blocks as B
+    from whale.domains.chess import hint_blocks as B
 
     ns = {}
     exec(B.ANNOTATE_MOVES.replace("__INNER__", "print"), ns)
@@ -835,9 +850,10 @@ def test_mutated_base_harnesses_run_cleanly_in_the_sandbox(domain, fake_runner):
     source = real_h0(domain)
     problems = FakeDomains().problems(domain)
     rng = random.Random(0)
-    variants = {m.name: M.apply_mutation(m, source, "h0", random.Random(0)) for m in M.mutations_for(domain)}
+    library = M.mutations_for(declared(domain), Config())
+    variants = {m.name: M.apply_mutation(m, source, "h0", random.Random(0)) for m in library}
     stacked = source
-    for m in rng.sample(M.mutations_for(domain), 3):
+    for m in rng.sample(library, 3):
         stacked = M.apply_mutation(m, stacked, "hx", rng) or stacked
     variants["stacked"] = stacked
     variants["h0"] = source

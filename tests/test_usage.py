@@ -15,7 +15,7 @@ from whale.engine.base import Generation, QueuedSubmit
 from whale.harness.runner import RolloutRunner
 from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
 from whale.harness.usage import decide_usage, record_mark
-from whale.search.mutation import LIBRARY
+from whale.search.mutation import MAJORITY_VOTE
 from whale.weights.rows import rows_from_trajectory
 
 
@@ -97,7 +97,7 @@ def run(env, llm):
 
 
 def test_majority_vote_trains_only_the_samples_that_gave_the_submitted_answer():
-    vote = next(m for m in LIBRARY if m.name == "majority_vote").apply(TAGGED, random.Random(0))
+    vote = MAJORITY_VOTE.apply(TAGGED, random.Random(0))
     # three samples: right, wrong, right -> the vote submits the right answer
     trajs = play(vote, lambda r, i, nth: f"<answer>{sum_of(r) + (i == 1)}</answer>")
     for t in trajs:

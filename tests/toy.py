@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from whale.search.mechanism import NO_HINTS
 from whale.domains.base import EpisodeEnv, Problem
 from whale.engine.base import Generation, QueuedSubmit
 
@@ -36,6 +37,8 @@ def toy_grade(problem, answer):
 class ToyDomain:
     name = "toy"
     brief = "Answer 'What is A + B?' with the number. env.add(a, b) adds."
+    answer_format = None
+    hints = NO_HINTS
 
     def __init__(self, n=8):
         self.problems = [Problem(id=f"p{i}", question=f"What is {i} + {i + 1}?", answer=2 * i + 1,

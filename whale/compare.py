@@ -15,15 +15,23 @@ from typing import Any
 
 from whale import plots
 from whale.config import ConfigError
-from whale.report import fmt, load_run, paired_bootstrap, phase_attribution, x_value
+from whale.report import fmt, load_run, paired_bootstrap, phase_attribution, search_provenance, x_value
 from whale.report_html import write_compare_html
 from whale.store import load_summary
 
 
 def _method(cfg: dict) -> str:
+    """The schedule, plus the harness search's proposer when it is not the offline one and
+    "+hints-off" when the domain's hints were off: runs that differ in those are other methods,
+    never pooled."""
     s = cfg.get("schedule", {})
     kind = s.get("kind", "?")
-    return kind + ("+adaptive" if s.get("adaptive") else "")
+    name = kind + ("+adaptive" if s.get("adaptive") else "")
+    if kind != "weight_only":
+        h = cfg.get("harness", {})
+        name += f"+{h['proposer']}" if h.get("proposer", "mutation") != "mutation" else ""
+        name += "" if h.get("domain_hints", True) else "+hints-off"
+    return name
 
 
 def _reference(name: str, methods: list[str]) -> str:
@@ -197,6 +205,14 @@ def _per_seed_table(by_method: dict[str, list[dict]]) -> list[str]:
                                    f"({r['summary'].get('harness_id') or '?'}, {r['summary'].get('weights_version') or '?'})"
                                    + ("" if r["finished"] else " (unfinished)") for r in mine) or "-")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    provenance = [(m, r, search_provenance(r["cfg"], r["rows"])) for m, runs in by_method.items() for r in runs]
+    provenance = [(m, r, p) for m, r, p in provenance if p]
+    if provenance:
+        lines += ["", "Harness search, run by run (\"hint: \" marks a domain's own hints):", "",
+                  "| method | seed | proposer | domain hints | accepted mechanisms |", "|---|---|---|---|---|"]
+        for m, r, p in provenance:
+            lines.append(f"| {m} | {r['cfg'].get('seed')} | {p['proposer']} | {p['hints']} | "
+                         f"{'; '.join(p['accepted']) or 'none'} |")
     return lines
 
 

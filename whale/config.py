@@ -172,6 +172,9 @@ class HarnessSearchConfig(_Strict):
     proposer: Literal["mutation", "chat", "agent_cli"] = Field(
         "mutation", description="mutation: offline, picks mechanisms from a diagnosis of the traces; chat: an "
         "OpenAI-compatible model with file tools; agent_cli: a coding-agent CLI in a sandboxed workspace")
+    domain_hints: bool = Field(True, description="on: proposers also use the domain's declared hints (its own "
+                               "mechanisms, failure modes and brief text, shown as 'hint: <name>'); off: only the "
+                               "domain-general mechanisms, as on a task nobody tuned them for")
     candidates_per_iteration: int = Field(3, ge=1, description="M: candidates the proposer writes per iteration")
     samples_per_example: int = Field(1, ge=1, description="k samples per harness-split problem when scoring a candidate")
     confirm_top: int = Field(2, ge=0, description="top candidates re-run on fresh seeds, with the incoming harness, "

@@ -139,18 +139,52 @@ def _attribution_lines(rows: list[dict], parts: dict[str, list[dict]], totals: d
     return lines + ["", "![gain by phase](phase_gains.png)", ""]
 
 
+def search_provenance(cfg: dict, rows: list[dict]) -> dict[str, Any]:
+    """Who searched the harness and with what: the proposer, whether the domain's hints were on
+    (`harness.domain_hints`; runs from before the key had them on), and, for each harness accepted
+    in place of its incoming one, the mechanisms of its lineage ("hint: <name>" for a domain's
+    hints), so a reader sees how much of a result is the general search and how much our
+    hand-written knowledge. None for runs without a harness search."""
+    if cfg.get("schedule", {}).get("kind") == "weight_only":
+        return {}
+    h = cfg.get("harness", {})
+    made = {r["id"]: r for r in rows if r.get("event") == "candidate" and r.get("id")}
+
+    def lineage(cid: str) -> list[str]:
+        out: list[str] = []
+        while cid in made and len(out) < 64:
+            out.append(str(made[cid].get("mechanism") or "?"))
+            cid = made[cid].get("parent") or ""
+        return out[::-1]
+
+    accepted = [(r["accepted"], r.get("phase_incoming") or r.get("harness")) for r in rows
+                if r.get("event") == "harness_accepted" and r.get("accepted") in made]
+    return {"proposer": h.get("proposer", "mutation"), "hints": "on" if h.get("domain_hints", True) else "off",
+            "accepted": [f"{cid} = {' + '.join(lineage(cid))}" for cid, _ in dict.fromkeys(accepted)]}
+
+
+def provenance_line(prov: dict[str, Any]) -> str:
+    if not prov:
+        return ""
+    return (f"proposer **{prov['proposer']}**, domain hints **{prov['hints']}**, accepted mechanisms: "
+            + ("; ".join(prov["accepted"]) or "none (the incoming harness was kept)"))
+
+
 def report_sections(run_dir: Path, rows: list[dict], state: dict, cfg: dict) -> dict[str, list[str]]:
     """report.md, section by section (markdown lines); report.html renders the same sections."""
     name = cfg.get("name", run_dir.name)
     s = load_summary(run_dir)
     led = state.get("ledger", {})
     sched = cfg.get("schedule", {})
+    dom = cfg.get("domain", {})
+    prov = provenance_line(search_provenance(cfg, rows))
     sections: dict[str, list[str]] = {}
     sections["summary"] = [
         f"# WHALE run report: {name}", "",
-        f"- domain: **{cfg.get('domain', {}).get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
+        f"- domain: **{dom.get('module') or dom.get('name')}**, model: `{cfg.get('model', {}).get('name')}`, "
         f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
-        f"grader: **{cfg.get('domain', {}).get('grader')}**",
+        f"grader: **{dom.get('grader')}**",
+        *([f"- harness search: {prov}"] if prov else []),
         f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s" + (
             "" if state.get("finished") else f" (**unfinished**: 'final' below is its latest evaluation; "
             f"`whale run --resume {run_dir}` continues it)"),

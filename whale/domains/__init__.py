@@ -52,6 +52,9 @@ def load_domain(cfg: Config) -> Domain:
                           "or set domain.module")
     missing = [m for m in ("load_splits", "make_env", "grade", "grader", "base_harness")
                if not callable(getattr(domain, m, None))]  # a user's class (domain.module): checked once, here
+    missing += [m for m in ("answer_format", "hints") if not hasattr(domain, m)]
     if missing:
-        raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain)")
+        raise ConfigError(f"domain {cfg.domain.name!r} lacks {', '.join(missing)} (see whale.domains.base.Domain; "
+                          "a domain without a text answer or hints declares `answer_format = None`, "
+                          "`hints = Hints()`)")
     return domain

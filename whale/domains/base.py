@@ -8,19 +8,28 @@ Tools are proxied automatically: every name in `EpisodeEnv.tools` becomes a meth
 proxy inside the sandbox; attributes in `public_state()` become read-only attributes there and are
 refreshed after every tool call (chess's `env.fen` changes as moves are played).
 
+Two declared members tell the harness search what it may rely on: `answer_format` (what the grader
+reads in a submission: the domain-general mechanisms of the offline proposer and its diagnosis act
+on it) and `hints` (domain knowledge for proposers: mechanisms, failure modes and brief text,
+switched by `harness.domain_hints`; `Hints()` when a domain has none).
+
 Your own task: write a class with these members in your own module and name it in the config as
-`domain.module: "my_module:MyDomain"` (see examples/custom_domain.py).
+`domain.module: "my_module:MyDomain"` (see examples/custom_domain.py, examples/label_domain.py).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
 
 from whale.config import BudgetConfig, ConfigError
+
+if TYPE_CHECKING:
+    from whale.search.mechanism import Hints
 
 SPLITS = ("weight", "harness", "val", "test")
 DEAL_ORDER = ("test", "val", "harness", "weight")  # held-out splits first: a bigger weight split leaves them alone
@@ -197,10 +206,46 @@ class EpisodeEnv:
         """Release per-episode resources (e.g. a sandboxed Python tool)."""
 
 
+@dataclass(frozen=True)
+class AnswerFormat:
+    """What the grader reads in a submission, declared by the domain.
+
+    The offline proposer's domain-general mechanisms (an answer prefill, a repair call, extraction,
+    constrained choice) and the diagnosis's `format_mismatch` read it, so they work on a task they
+    were never written for. `pattern` is a regex a gradable submission contains (group 1, when it
+    has one, is the answer); `open`/`close` are the text around an answer the model can be
+    prefilled with and stopped at; `choices` is the finite set of answers the grader accepts,
+    exactly as written.
+    """
+
+    description: str  # in words, for briefs and repair prompts: "<answer>...</answer>", "the label only"
+    pattern: str = ""
+    open: str = ""
+    close: str = ""
+    choices: tuple[str, ...] = ()
+
+    def extract(self, text: str | None) -> str | None:
+        """The answer the grader would read, or None when `text` does not match the format."""
+        if text is None:
+            return None
+        if self.pattern:
+            found = list(re.finditer(self.pattern, text, re.S))
+            if not found:
+                return None
+            last = found[-1]
+            text = last.group(1) if last.re.groups else last.group(0)
+        answer = text.strip()
+        if self.choices and answer not in self.choices:
+            return None
+        return answer
+
+
 @runtime_checkable
 class Domain(Protocol):
     name: str
     brief: str  # for proposers: what env offers, answer format, what good harnesses do
+    answer_format: AnswerFormat | None  # what the grader reads; None when it is not a text answer (chess's moves)
+    hints: "Hints"  # domain knowledge for proposers (whale.search.mechanism.Hints; `Hints()` for none)
 
     def load_splits(self) -> dict[str, list[Problem]]:
         """All four splits (SPLITS), disjoint by content, deterministic from the config seed."""

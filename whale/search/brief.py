@@ -7,7 +7,7 @@ WHALE and Meta-Harness skills insist on, in our words: one mechanism per candida
 parameter-only variants, no dataset-specific or question-conditional code, the exact file
 contract, no evaluations and nothing read outside the workspace (the sandbox enforces the last
 two for a coding agent; the brief says why, so a strong agent does not waste its turns trying).
-Per-domain hints (`hints`) get their own section after the domain's description.
+The domain's declared hints (harness.domain_hints) get their own section after its description.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from whale.config import Config
 from whale.domains.base import Domain
+from whale.search.mechanism import hints_in_use
 
 CONTRACT = """\
 A harness is ONE Python file that defines
@@ -104,10 +105,10 @@ Only scores measured under the current weights version (`{version}`) are compara
 def make_brief(domain: Domain, cfg: Config, n: int, *, weights_version: str, incoming_id: str,
                frontier: list[dict[str, Any]] | None = None, prompt_only: bool = False,
                base_source: str | None = None, archive_path: str = "archive/",
-               diagnoses: dict[str, str] | None = None, hints: str = "") -> str:
+               diagnoses: dict[str, str] | None = None) -> str:
     """`diagnoses` (harness id -> diagnose.py's text) is the first read of the traces, the same
     one the offline mutation proposer acts on; the proposer should check it against the traces.
-    `hints`: what is known to help or hurt on this domain, shown as its own section."""
+    The domain's hints (`hints_section`) follow its description when `harness.domain_hints` is on."""
     extra = cfg.runner.sandbox.extra_packages
     extra_text = f" plus {', '.join(extra)}" if extra else ""
     b = cfg.domain.budget
@@ -120,7 +121,7 @@ def make_brief(domain: Domain, cfg: Config, n: int, *, weights_version: str, inc
         f"{b.seconds:g} s per episode; default max_tokens per call {cfg.sampling.max_tokens}, "
         f"at most {cfg.sampling.max_tokens_cap}.\n",
         "\n## The domain\n\n", domain.brief.strip() + "\n",
-        *(["\n## Hints for this domain\n\n", hints.strip() + "\n"] if hints.strip() else []),
+        *hints_section(domain, cfg),
         "\n## What to read\n\n", READ.format(archive=archive_path, version=weights_version),
         "\n## Where things stand\n\n",
         f"- Current weights version: `{weights_version}`; the incoming harness is `{incoming_id}`.\n",
@@ -155,3 +156,19 @@ def make_brief(domain: Domain, cfg: Config, n: int, *, weights_version: str, inc
             "```python\n" + (base_source or "").rstrip() + "\n```\n",
         ]
     return "".join(parts)
+
+
+# ----- the domain's hints (harness.domain_hints) -------------------------------------------------
+def hints_section(domain: Domain, cfg: Config) -> list[str]:
+    """The domain's declared knowledge as text, the same hints the offline proposer applies as
+    "hint: <name>" mechanisms; nothing when `harness.domain_hints` is off or the domain has none."""
+    hints = hints_in_use(domain, cfg.harness.domain_hints)
+    if not hints.text and not hints.mechanisms:
+        return []
+    parts = ["\n## Domain hints (what is known to help on this task)\n\n"]
+    if hints.text:
+        parts.append(hints.text.strip() + "\n")
+    if hints.mechanisms:
+        parts.append("Mechanisms that worked here before (one per candidate, if the traces call for it):\n")
+        parts += [f"- {m.name}: {m.hypothesis}\n" for m in hints.mechanisms if not m.name.startswith("system_prompt")]
+    return parts

@@ -248,7 +248,8 @@ class HarnessSearch:
         base = self.archive.source(incoming)
         tag = self._tag(it, incoming, version)
         leaders = list(dict.fromkeys([incoming] + self.archive.ranking(version)[:1]))
-        diagnoses = {cid: diagnose_harness(self.archive, cid, version, self.domain.name).text() for cid in leaders}
+        diagnoses = {cid: diagnose_harness(self.archive, cid, version, self.domain,
+                                            self.cfg.harness.domain_hints).text() for cid in leaders}
         brief = make_brief(self.domain, self.cfg, m, weights_version=version, incoming_id=incoming,
                            frontier=self.archive.frontier(version), prompt_only=prompt_only, base_source=base,
                            diagnoses=diagnoses)

@@ -10,6 +10,7 @@ from whale.domains.base import DataError, Problem, Setting, refuse_unread_settin
 from whale.domains.chess import data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
+from whale.domains.chess.hints import HINTS
 
 SOURCES = ("offline", "lichess")
 
@@ -67,6 +68,8 @@ class ChessDomain:
     """
 
     name = "chess"
+    answer_format = None  # graded on the moves played, not on a text answer
+    hints = HINTS
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import DataError, Problem, Setting, refuse_unread_settings, split_sizes
+from whale.domains.base import AnswerFormat, DataError, Problem, Setting, refuse_unread_settings, split_sizes
 from whale.domains.math import data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_math
+from whale.domains.math.hints import HINTS
 
 BRIEF = """\
 Domain: math word problems and arithmetic.
@@ -25,9 +26,6 @@ Grading: math-verify, gold first (3/4 equals 0.75, \\frac{{1}}{{2}} equals 0.5).
 number the boxed answer must be a number too (\\boxed{{37+48}} scores 0, \\boxed{{85}} scores 1).
 Reward is 1 or 0.
 Data sources: {sources}.
-What helps a small model: short prompts, asking for Python that prints the result and feeding the
-printed number back, then asking for \\boxed{{NUMBER}} (or prefilling "\\boxed{{" as an assistant
-message); giving it another turn when no \\boxed{{}} was produced.
 """
 
 
@@ -65,6 +63,8 @@ class MathDomain:
     """
 
     name = "math"
+    answer_format = AnswerFormat("the final answer as \\boxed{...}", pattern=r"\\boxed\{|\\fbox\{")
+    hints = HINTS
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import EpisodeEnv, Problem, split_sizes
+from whale.domains.base import AnswerFormat, EpisodeEnv, Problem, split_sizes
 from whale.domains.reasoning_gym import data
 from whale.domains.reasoning_gym.grading import grade_reasoning_gym
+from whale.search.mechanism import NO_HINTS
 
 OPTIONS = ("tasks", "weights", "config")
 
@@ -30,13 +31,14 @@ The only tool is `env.submit(text: str)`, once per episode.
 Grading: the LAST <answer>...</answer> in the submitted text is scored by the task's own
 reasoning-gym scorer (no tag scores 0); scores are in [0, 1] (mostly 1 or 0; some tasks give
 partial credit). Put only the final answer inside the tags, in the format the question asks.
-What helps a small model: a short prompt, a worked example of the answer format, prefilling the
-assistant turn with "<answer>" and stopping at "</answer>" when the task needs no long reasoning,
-a vote over several samples. Harness code may use only the standard library, `env` and `llm`."""
+Harness code may use only the standard library, `env` and `llm`."""
 
 
 class ReasoningGymDomain:
     name = "reasoning_gym"
+    answer_format = AnswerFormat("the final answer alone inside <answer></answer>",
+                                 pattern=r"<answer>\s?(.*?)\s?</answer>", open="<answer>", close="</answer>")
+    hints = NO_HINTS  # no knowledge of these tasks beyond their declared answer format
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

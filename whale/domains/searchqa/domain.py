@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from whale.config import Config, ConfigError
-from whale.domains.base import EpisodeEnv, EpisodeError, Problem, Setting, refuse_unread_settings, split_sizes
+from whale.domains.base import (AnswerFormat, EpisodeEnv, EpisodeError, Problem, Setting, refuse_unread_settings,
+                                split_sizes)
 from whale.domains.searchqa import data, factbook, grading
+from whale.domains.searchqa.hints import HINTS
 from whale.domains.searchqa.retrieval import BM25Retriever, HTTPRetriever, load_corpus
 
 MAX_K = 10
@@ -33,11 +35,7 @@ Tools: `env.search(query: str, k: int = 3) -> list[{{"title", "text"}}]` returns
 (call it exactly once). Grader: {grader}. {grader_detail}
 Answers are short entities (a name, a city, a currency). Questions come from {questions}; some
 need two hops (first find the bridge entity, then search again for the asked fact).
-What tends to help a small model: always searching (not only when it asks), short queries that
-name the entity, putting few and short passages in the prompt, a second search for two-hop
-questions, prefilling the assistant turn with "<answer>" and stopping at "</answer>", and
-cleaning the answer (no sentence, no elevation or code unless asked). Harness code may use only
-the standard library, `env` and `llm`."""
+Harness code may use only the standard library, `env` and `llm`."""
 
 GRADER_DETAIL = {
     "em": "The submitted text's last <answer>...</answer> (or the whole text when it has no tag) must "
@@ -99,6 +97,9 @@ class SearchQAEnv(EpisodeEnv):
 
 class SearchQADomain:
     name = "searchqa"
+    answer_format = AnswerFormat("a short entity inside <answer></answer>", pattern=r"<answer>(.*?)</answer>",
+                                 open="<answer>", close="</answer>")
+    hints = HINTS
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -29,6 +29,7 @@ from whale.domains.base import EpisodeEnv, EpisodeError, Problem
 from whale.domains.searchqa.data import make_splits
 from whale.domains.verifiers_env import loader
 from whale.domains.verifiers_env.scoring import completion_messages, grade_verifiers
+from whale.search.mechanism import NO_HINTS
 
 OPTIONS = ("env", "args")
 MAX_CALL_ID = 64
@@ -106,6 +107,8 @@ def _tool_method(name: str) -> Callable:
 
 class VerifiersDomain:
     name = "verifiers"
+    answer_format = None  # the environment's own parser reads the transcript; nothing declared to rely on
+    hints = NO_HINTS
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -1,5 +1,5 @@
 """Blocks for every domain: the helpers each spliced candidate carries, majority voting, and the
-system prompts a rewrite draws from."""
+system prompts the general rewrite draws from."""
 
 HELPERS_MARK = "# --- mutation helpers ---"
 
@@ -69,28 +69,10 @@ def run(env, llm):
 '''
 
 
-SYSTEM_PROMPTS = {
-    "*": [
-        "You are a careful assistant. Think briefly, follow the requested answer format exactly, and give "
-        "only the final answer in it.",
-        "Solve the task step by step, then give the final answer in exactly the requested format.",
-    ],
-    "searchqa": [
-        "You answer factual questions with a search engine. Search for the main entity of the question "
-        "first, read the passage, then reply with only the short answer inside <answer></answer>.",
-        "You are a precise research assistant. Use <search>query</search> to look facts up instead of "
-        "guessing. The final answer is a short entity (a name, place or number) inside <answer></answer>.",
-    ],
-    "math": [
-        "You are a careful mathematician. Solve the problem step by step, check each computation, and end "
-        "with the final answer in \\boxed{}.",
-        "You solve math problems. When a computation is tedious, write a short ```python block that "
-        "prints the result. Always end with \\boxed{answer}.",
-    ],
-    "chess": [
-        "You are a chess grandmaster solving a tactics puzzle. Look for checks, captures and threats, in "
-        "that order, and answer with exactly one move in UCI notation inside <move></move>.",
-        "You solve chess puzzles. The solution is forcing: consider every check first, then captures. "
-        "Reply with one move as <move>uci</move>, for example <move>e2e4</move>.",
-    ],
-}
+# The general system-prompt rewrite draws from these, followed by the domain's declared answer
+# format in words when it has one. A domain's hints may offer its own prompts instead.
+SYSTEM_PROMPTS = (
+    "You are a careful assistant. Think briefly, follow the requested answer format exactly, and give "
+    "only the final answer in it.",
+    "Solve the task step by step, then give the final answer in exactly the requested format.",
+)

@@ -1,4 +1,5 @@
-"""Chess blocks: legal moves listed or annotated from the FEN, constrained choice, retry of illegal moves."""
+"""Chess hint blocks (harness code the domain's hints splice in, see hints.py):
+legal moves listed or annotated from the FEN, constrained choice, retry of illegal moves."""
 
 LEGAL_MOVE_LIST = r'''
 def run(env, llm):

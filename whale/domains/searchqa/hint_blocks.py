@@ -1,4 +1,5 @@
-"""Search QA blocks: what is retrieved, how the query is written, how many turns, how the answer ends."""
+"""Search QA hint blocks (harness code the domain's hints splice in, see hints.py):
+what is retrieved, how the query is written, how many turns, how the answer ends."""
 
 MORE_PASSAGES = r'''
 MP_PASSAGES = 3
@@ -159,46 +160,6 @@ class _QuestionQueryEnv:
 
 def run(env, llm):
     return __INNER__(_QuestionQueryEnv(env), llm)
-'''
-
-RERANK_PASSAGES = r'''
-RR_POOL = 10
-RR_STOPWORDS = {"what", "which", "who", "whom", "whose", "where", "when", "why", "how", "is", "are", "was",
-                "were", "the", "a", "an", "of", "does", "do", "did", "in", "on", "at", "for", "to", "and",
-                "or", "by", "with", "from", "its", "it", "this", "that", "name", "named", "called", "please"}
-
-
-def _rr_words(text):
-    # lower-cased, accent-folded content words with a plural "s" dropped: "Bogota" meets "Bogotá"
-    text = unicodedata.normalize("NFKD", str(text).lower())
-    text = "".join(c for c in text if not unicodedata.combining(c))
-    return {w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
-            for w in re.findall(r"[a-z0-9]{2,}", text) if w not in RR_STOPWORDS}
-
-
-class _RerankEnv:
-    """env whose search draws RR_POOL passages and returns first those whose titles share the most
-    words with the query and the question (ties keep the retriever's order), as many as were asked."""
-
-    def __init__(self, env):
-        self._env = env
-
-    def __getattr__(self, name):
-        return getattr(self._env, name)
-
-    def search(self, query, k=3):
-        pool = list(self._env.search(query, k=max(int(k), RR_POOL)) or [])
-        words = _rr_words(query) | _rr_words(getattr(self._env, "question", ""))
-
-        def overlap(i):
-            title = pool[i].get("title", "") if isinstance(pool[i], dict) else ""
-            return -len(words & _rr_words(title)), i
-
-        return [pool[i] for i in sorted(range(len(pool)), key=overlap)[:max(1, int(k))]]
-
-
-def run(env, llm):
-    return __INNER__(_RerankEnv(env), llm)
 '''
 
 ANSWER_FIRST_LINE = r'''

@@ -1,4 +1,5 @@
-"""Math blocks: a Python program before solving, a boxed-answer reminder, a parse retry, a self-check."""
+"""Math hint blocks (harness code the domain's hints splice in, see hints.py):
+a Python program before solving, a boxed-answer reminder, a parse retry, a self-check."""
 
 PYTHON_FIRST = r'''
 PF_TOKENS = 200
