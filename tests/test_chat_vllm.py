@@ -21,15 +21,17 @@ import urllib.error
 from pathlib import Path
 
 import pytest
+import test_search
 from test_engine_vllm import VLLM_PYTHON
-from test_search import CHAT_SCRIPT, TOY_H0, events, runners, search_for, toy  # noqa: F401 (fixtures)
+from test_search import BETTER, _resp, events, search_for
 
-from whale.search.chat import CHAT_TOOLS, ChatProposer, ChatTools, bounded_history
 from whale.engine.vllm_server import VLLMServer
+from whale.search.chat import ChatProposer
 from whale.search.chat_transport import HTTPTransport
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 4096
+toy, runners = test_search.toy, test_search.runners  # the toy domain's search fixtures
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,14 @@ def server(tmp_path_factory):
 
 
 class Recorded:
-    """The real HTTP transport, keeping each request and what the server answered (or raised)."""
+    """The real HTTP transport, keeping each request and what the server answered (or raised).
 
-    def __init__(self, url: str, before_call=None):
+    With `script`, the server's message is replaced by the next scripted one (its usage kept)."""
+
+    def __init__(self, url: str, before_call=None, script=None):
         self.http = HTTPTransport(url, timeout_s=120)
         self.before_call = before_call
+        self.script = list(script or [])
         self.exchanges: list[tuple[dict, dict | str]] = []
 
     def __call__(self, request):
@@ -65,6 +70,8 @@ class Recorded:
             self.exchanges.append((json.loads(json.dumps(request)), f"{type(e).__name__}: {e}"))
             raise
         self.exchanges.append((json.loads(json.dumps(request)), response))
+        if self.script:
+            response = {**response, "choices": self.script.pop(0)["choices"]}
         return response
 
     def answered(self) -> list[dict]:
@@ -82,10 +89,10 @@ def round_info(toy) -> list[dict]:
 
 def test_a_session_stays_under_the_context_and_the_run_goes_on(server, toy):
     """No tool call from SmolLM2: every turn is answered, nudged, and the round ends with the
-    reason; the history bound keeps each request under max_model_len although the whole session
-    (the transcript of every turn) is longer than that."""
+    reason; the history bound (here below the context, to be reached in few turns) leaves early
+    turns out, so every request is shorter than the session it comes from."""
     transport = Recorded(server.base_url + "/v1")
-    chat = proposer(server, transport, max_turns=10, max_tokens=96, history_turns=16, history_tokens=700)
+    chat = proposer(server, transport, max_turns=10, max_tokens=96, history_turns=16, history_tokens=2000)
     toy.cfg.harness.candidates_per_iteration = 1
     started = time.monotonic()
     result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # 1: the incoming harness scored, 2-3: two proposer rounds
@@ -111,25 +118,31 @@ def test_a_session_stays_under_the_context_and_the_run_goes_on(server, toy):
     assert len(transcripts) == 2 and "assistant: " in transcripts[0].read_text()
 
 
-def test_tool_results_round_trip_through_the_server(server, tmp_path):
-    """Our tool calls and tool results, as the proposer appends them, are accepted by the server
-    (its chat template renders role `tool`); the scripted calls stand in for a model that calls tools."""
-    (tmp_path / "arch" / "h0").mkdir(parents=True)
-    (tmp_path / "arch" / "h0" / "harness.py").write_text(TOY_H0)
-    tools = ChatTools(tmp_path / "arch", tmp_path / "out", n=1)
-    messages = [{"role": "system", "content": "You improve harness files."}, {"role": "user", "content": "Start."}]
-    http = HTTPTransport(server.base_url + "/v1")
-    for scripted in CHAT_SCRIPT[:4]:
-        call = scripted["choices"][0]["message"]
-        messages.append({"role": "assistant", "content": call["content"], "tool_calls": call["tool_calls"]})
-        for c in call["tool_calls"]:
-            result = tools.call(c["function"]["name"], c["function"]["arguments"])
-            messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
-        response = http({"model": server.model, "messages": bounded_history(messages, 16, 1500), "tools": CHAT_TOOLS,
-                         "max_tokens": 8})
-        assert response["choices"][0]["message"]["role"] == "assistant"
-        assert response["usage"]["prompt_tokens"] > 0
-    assert len(tools.proposals) == 1 and "digits only" in tools.proposals[0].source
+def test_a_tool_session_reading_traces_stays_under_the_context(server, toy):
+    """Every request of a tool-using session goes to the real server, which must accept it (our
+    tool calls and results, role `tool`); its answers are replaced by a script (SmolLM2 calls no
+    tools) that reads the incoming harness's traces line by line, then writes a candidate. With
+    chat_history_tokens at the server's context less the response, each request must still fit:
+    traces are JSON, which tokenizes denser than the 4-characters-per-token estimate."""
+    reads = [("read_file", {"path": "h0/traces.jsonl", "offset": i % 6, "limit": 1}) for i in range(8)]
+    script = [[("list_files", {})]] + [[r] for r in reads] + [
+        [("write_candidate", {"source": BETTER, "hypothesis": "h0 answers in sentences; ask for digits",
+                              "mechanism": "answer-format instruction in the system prompt"})], [("finish", {})]]
+    transport = Recorded(server.base_url + "/v1", script=[_resp(calls) for calls in script])
+    chat = proposer(server, transport, max_turns=len(script), max_tokens=32, history_tokens=MAX_MODEL_LEN - 32)
+    toy.cfg.harness.candidates_per_iteration = 1
+    started = time.monotonic()
+    result = search_for(toy, chat).run_phase("h0", "base", iterations=2)  # 1: h0 scored, 2: one proposer round
+    seconds = time.monotonic() - started
+    prompts = [r["usage"]["prompt_tokens"] for r in transport.answered()]
+    print(f"\ntool session: {seconds:.1f} s for {len(transport.exchanges)} requests; prompt tokens {prompts}")
+    assert chat.last_error is None, chat.last_error
+    assert chat.last_usage["turns"] == len(script)  # every scripted turn answered by the server
+    transcript = min((toy.archive.root / "_proposals").glob("*/transcript.txt")).read_text()
+    assert "resending fewer turns" in transcript  # the estimate ran low once; fewer turns were resent
+    roles = [m["role"] for m in transport.exchanges[2][0]["messages"]]
+    assert roles[:2] == ["system", "user"] and "tool" in roles
+    assert result.accepted_id == "h1" and toy.archive.meta("h1")["proposer"] == "chat"
 
 
 def test_an_error_answer_ends_the_round_with_the_servers_reason(server, toy):
@@ -163,6 +176,6 @@ def test_the_server_dying_mid_session_ends_the_round_and_the_run_goes_on(server,
     assert len(failures) == 2
     assert all("chat proposer failed" in f["reason"] and "Connection refused" in f["reason"] for f in failures)
     assert failures[0]["usage"]["turns"] == 3 and failures[0]["usage"]["retries"] == 2
-    transcript = sorted((toy.archive.root / "_proposals").glob("*/transcript.txt"))[0].read_text()
+    transcript = min((toy.archive.root / "_proposals").glob("*/transcript.txt")).read_text()
     assert "transport: attempt 1" in transcript and "Connection refused" in transcript
     assert result.accepted_id == "h0"
