@@ -95,7 +95,7 @@ def test_a_no_tool_call_session_is_bounded_and_the_run_goes_on(server, toy):
     chat = proposer(server, transport, max_turns=10, max_tokens=96, history_turns=16, history_tokens=2000)
     toy.cfg.harness.candidates_per_iteration = 1
     started = time.monotonic()
-    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # 1: the incoming harness scored, 2-3: two proposer rounds
+    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # h0 scored, two rounds
     seconds = time.monotonic() - started
     answered = transport.answered()
     prompts = [r["usage"]["prompt_tokens"] for r in answered]
@@ -133,7 +133,7 @@ def test_a_tool_session_reading_traces_stays_under_the_context(server, toy):
     chat = proposer(server, transport, max_turns=len(script), max_tokens=32, history_tokens=MAX_MODEL_LEN - 32)
     toy.cfg.harness.candidates_per_iteration = 1
     started = time.monotonic()
-    result = search_for(toy, chat).run_phase("h0", "base", iterations=2)  # 1: h0 scored, 2: one proposer round
+    result = search_for(toy, chat).run_phase("h0", "base", iterations=2)  # h0 scored, one round
     seconds = time.monotonic() - started
     prompts = [r["usage"]["prompt_tokens"] for r in transport.answered()]
     print(f"\ntool session: {seconds:.1f} s for {len(transport.exchanges)} requests; prompt tokens {prompts}")
@@ -151,7 +151,7 @@ def test_an_error_answer_ends_the_round_with_the_servers_reason(server, toy):
     the server's message, and the run goes on to its next iteration."""
     transport = Recorded(server.base_url + "/v1")
     chat = ChatProposer("no-such-model", transport=transport, retries=3, sleep=lambda s: None)
-    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # 1: the incoming harness scored, 2-3: two proposer rounds
+    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # h0 scored, two rounds
     assert len(transport.exchanges) == 2  # one request per round, no retries of a 404
     failures = events(result.history, "proposer_failure")
     assert len(failures) == 2 and "404" in failures[0]["reason"] and "does not exist" in failures[0]["reason"]
@@ -170,7 +170,7 @@ def test_the_server_dying_mid_session_ends_the_round_and_the_run_goes_on(server,
 
     transport = Recorded(server.base_url + "/v1", before_call=kill_before)
     chat = proposer(server, transport, max_turns=6, retries=2)
-    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # 1: the incoming harness scored, 2-3: two proposer rounds
+    result = search_for(toy, chat).run_phase("h0", "base", iterations=3)  # h0 scored, two rounds
     answered = transport.answered()
     assert len(answered) == 2 and len(transport.exchanges) == 2 + 3 + 3  # 2 answers, then 3 attempts per round
     failures = events(result.history, "proposer_failure")
