@@ -533,6 +533,31 @@ def test_chat_history_is_bounded_and_keeps_the_task(run):
     assert last[3]["role"] == "assistant"  # a turn is never cut between a call and its result
 
 
+class SmallContext:
+    """A server whose context holds the task and `fits` turns; a longer prompt gets vLLM's 400."""
+
+    def __init__(self, inner, fits):
+        self.inner, self.fits, self.calls, self.refused = inner, fits, 0, 0
+
+    def __call__(self, request):
+        self.calls += 1
+        if sum(m["role"] == "assistant" for m in request["messages"]) > self.fits:
+            self.refused += 1
+            raise _http_error(400, b'{"error": {"message": "This model\'s maximum context length is 2048 tokens"}}')
+        return self.inner(request)
+
+
+def test_chat_resends_fewer_turns_when_the_server_refuses_a_long_prompt(run):
+    """The history estimate (4 characters a token) can run low (JSON, digits): a 400 to a request
+    holding several turns is resent with fewer, and the lower budget holds for the session."""
+    server = SmallContext(ScriptedChat(LONG_SCRIPT), fits=3)
+    proposer = ChatProposer("m", transport=server, max_turns=30)  # history_tokens 64k: the estimate never binds
+    props = proposer.propose(run, None, 1, proposer_workspace_root(None, run.run_dir) / "t1", _context())
+    assert proposer.last_error is None and len(props) == 1 and proposer.last_usage["turns"] == 14
+    assert 1 <= server.refused <= 2 and server.calls == 14 + server.refused
+    assert "maximum context length" in _transcript(run) and "resending fewer turns" in _transcript(run)
+
+
 def test_history_token_cap_drops_old_turns_but_never_the_last():
     head = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
     turns = [[{"role": "assistant", "content": "", "tool_calls": [_call("read_file", {"path": "a"})]},

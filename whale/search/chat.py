@@ -6,7 +6,10 @@ sandbox. Three things keep a long session alive:
 - transport errors are retried with backoff (chat_transport.RetryingTransport);
 - the history sent is bounded: the system and task messages always, then the last
   `history_turns` turns (an assistant message with its tool results), fewer if their estimated
-  size passes `history_tokens`; a note says how many turns were left out;
+  size passes `history_tokens`; a note says how many turns were left out. The estimate (4
+  characters a token) runs low for JSON and digits, so a 400 answer to a request holding more than
+  the last turn (how OpenAI and vLLM refuse a prompt over the context) is resent with fewer turns
+  and a budget lowered for the rest of the session;
 - a malformed tool call (invalid JSON, wrong types, unknown argument or tool) is answered with a
   tool error that says what was wrong, and the session goes on.
 """
@@ -132,13 +135,22 @@ class ChatProposer:
         ]
         log = []
         started, tokens, turns, retried = time.monotonic(), 0, 0, self.transport.retried
+        budget = self.history_tokens
         try:
             while turns < self.max_turns and tokens < self.token_budget and not tools.finished:
                 turns += 1
-                sent = bounded_history(messages, self.history_turns, self.history_tokens,
+                sent = bounded_history(messages, self.history_turns, budget,
                                        note=f"Candidates written so far: {len(tools.proposals)} of {n}.")
-                response = self.transport({"model": self.model, "messages": sent, "tools": CHAT_TOOLS,
-                                           "max_tokens": self.max_tokens})
+                try:
+                    response = self.transport({"model": self.model, "messages": sent, "tools": CHAT_TOOLS,
+                                               "max_tokens": self.max_tokens})
+                except urllib.error.HTTPError as e:
+                    if e.code != 400 or sum(m["role"] == "assistant" for m in sent) < 2:
+                        raise
+                    budget = _estimate_tokens(sent) * 3 // 4  # the estimate was too low for this tokenizer
+                    log.append(f"transport: {describe(e)}; resending fewer turns (history estimate {budget})")
+                    turns -= 1  # the same turn again
+                    continue
                 tokens += int((response.get("usage") or {}).get("total_tokens", 0))
                 message = response["choices"][0]["message"]
                 calls = message.get("tool_calls") or []
