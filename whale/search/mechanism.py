@@ -96,6 +96,13 @@ def rewrite_system_prompt(options: list[str] | tuple[str, ...]) -> Callable[[str
     return apply
 
 
+def fill(block: str, **constants: Any) -> str:
+    """`block` with each `__NAME__` placeholder replaced by the Python literal of constants["name"]."""
+    for name, value in constants.items():
+        block = block.replace(f"__{name.upper()}__", repr(value))
+    return block
+
+
 def wrap(name: str, block: str, *, needs: str = "", imports: tuple[str, ...] = ()):
     def apply(source, rng):
         if needs and needs not in source:

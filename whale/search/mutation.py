@@ -54,7 +54,7 @@ from whale.domains.base import AnswerFormat
 from whale.search import blocks as B
 from whale.search.archive import code_hash
 from whale.search.diagnose import Diagnosis, diagnose, harness_traces
-from whale.search.mechanism import REWRITE_FIXES, Mutation, hints_in_use, rewrite_system_prompt, wrap
+from whale.search.mechanism import REWRITE_FIXES, Mutation, fill, hints_in_use, rewrite_system_prompt, wrap
 from whale.search.proposal import Proposal
 from whale.search.source_edit import MARK, has_mutation, stamp_docstring
 from whale.search.validate import static_check
@@ -66,13 +66,6 @@ MAJORITY_VOTE = Mutation(
     "majority_vote", "Sampling several completions and keeping the most common answer removes one-off sampling "
     "errors at temperature 1.", wrap("majority_vote", B.MAJORITY_VOTE), fixes=("wrong_answer", "empty_answer"),
     keeps_layout=True)
-
-
-def fill(block: str, **constants: Any) -> str:
-    """`block` with each `__NAME__` placeholder replaced by the Python literal of constants["name"]."""
-    for name, value in constants.items():
-        block = block.replace(f"__{name.upper()}__", repr(value))
-    return block
 
 
 def solved_examples(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:

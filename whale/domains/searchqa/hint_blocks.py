@@ -162,20 +162,3 @@ def run(env, llm):
     return __INNER__(_QuestionQueryEnv(env), llm)
 '''
 
-ANSWER_FIRST_LINE = r'''
-def run(env, llm):
-    def llm_first_line(messages, **kw):
-        last = messages[-1] if messages else {}
-        if last.get("role") != "assistant" or not str(last.get("content", "")).rstrip().endswith("<answer>"):
-            return llm(messages, **kw)
-        stop = list(kw.get("stop") or [])
-        out = llm(messages, **dict(kw, stop=stop + ["\n"]))
-        if str(out).strip():
-            return out
-        # the model opened with a line break: take the first non-empty line of a free completion
-        out = llm(messages, **dict(kw, stop=stop or None))
-        lines = [ln.strip() for ln in str(out).splitlines() if ln.strip()]
-        return lines[0] if lines else out
-
-    return __INNER__(env, llm_first_line)
-'''

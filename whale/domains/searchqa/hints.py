@@ -20,7 +20,9 @@ import unicodedata
 from typing import Any
 
 from whale.domains.searchqa import hint_blocks as B
-from whale.search.mechanism import REWRITE_FIXES, Hints, Mutation, append_user_prompt, rewrite_system_prompt, wrap
+from whale.search.blocks import ANSWER_LINE_STOP
+from whale.search.mechanism import (REWRITE_FIXES, Hints, Mutation, append_user_prompt, fill, rewrite_system_prompt,
+                                   wrap)
 from whale.search.source_edit import bump_constants, module_assign, prompt_fields, replace_base_run
 
 SYSTEM_PROMPTS = (
@@ -81,7 +83,7 @@ MECHANISMS = (
              keeps_layout=True, hint=True),
     Mutation("answer_first_line", "After the right entity the model keeps writing (explanations, "
              "new lines), which fails exact match; ending the answer at the first line keeps just the entity.",
-             wrap("answer_first_line", B.ANSWER_FIRST_LINE, needs="<answer>"),
+             wrap("answer_first_line", fill(ANSWER_LINE_STOP, open="<answer>"), needs="<answer>"),
              fixes=("long_answer", "length_cutoff", "empty_answer"), keeps_layout=True, hint=True),
     Mutation("more_search_turns", "Two-hop questions need a second search; up to three search turns "
              "let the model find the bridge entity first.", _more_search_turns, fixes=("missing_relation",),
