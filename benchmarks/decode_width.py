@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from replay import Recorder, delta, episodes_of, fresh, generated, replay_chained  # noqa: E402
 from workloads import WORKLOADS, load_workload  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 
 
 def run_workload(name: str, args) -> dict:

@@ -36,7 +36,7 @@ def setting(owner, name: str, value):
 @contextlib.contextmanager
 def cold_fork_server(runner):
     """The runner with every run launching its own fork server when it starts, as before
-    whale/harness/fork_server.py's spare: the spare is killed inside, and launched again after (the
+    whale/rollout/fork_server.py's spare: the spare is killed inside, and launched again after (the
     caller gives it time to start before the next run, as a run's caller usually does)."""
     spare = runner.spare_fork_server
     spare.close()

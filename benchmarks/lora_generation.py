@@ -32,7 +32,7 @@ from engine_settings import setting  # noqa: E402
 from replay import Recorder, episodes_of, fresh, generated, replay_chained  # noqa: E402
 from workloads import load_workload, ratio_interval  # noqa: E402
 
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 from whale.weights.trainer import wrap_lora  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 from whale.engine.base import GenerationRequest
-from whale.harness.runner import derive_seed
+from whale.rollout.runner import derive_seed
 
 
 class Recorder:

@@ -23,7 +23,7 @@ from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.engine.base import GenerationRequest  # noqa: E402
-from whale.harness.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
+from whale.rollout.runner import RolloutRunner, derive_seed, sampling_from_config  # noqa: E402
 
 HARNESS = '''
 SYSTEM_PROMPT = "Answer the question with a short name."

@@ -24,7 +24,7 @@ import time
 import torch
 
 from whale.config import SandboxConfig
-from whale.harness.sandbox import Cgroup, _limits, resolve_mode, worker_command
+from whale.rollout.sandbox import Cgroup, _limits, resolve_mode, worker_command
 
 
 def start(before: bool, mode: str) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.evaluate import evaluate  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

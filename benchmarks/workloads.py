@@ -14,7 +14,7 @@ Per workload, side by side in one process (same problems, same seeds, so the sam
           intra-op threads (default: every usable core) instead of `model.cpu_threads`' default
   switch  the runner again with the GIL switch interval at `--switch-interval` (Python's default 5 ms)
   cold    the runner again with each run launching its fork server as it starts, as before
-          whale/harness/fork_server.py's spare (run right after the runner; the raw replay then gives
+          whale/rollout/fork_server.py's spare (run right after the runner; the raw replay then gives
           the next repeat's spare its time to start)
 The prefix cache is cleared before every measurement, so no run reuses another's work. The warm-up
 runs each repeat's calls once (`--no-prime` skips it): a KV slab larger than any before zeroes new
@@ -56,7 +56,7 @@ from whale.config import load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine import make_engine  # noqa: E402
 from whale.engine.hf import engine_cpu_threads, usable_cores  # noqa: E402
-from whale.harness.runner import RolloutRunner, sampling_from_config  # noqa: E402
+from whale.rollout.runner import RolloutRunner, sampling_from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {  # config, harness (None: the domain's h0), extra overrides

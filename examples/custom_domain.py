@@ -19,7 +19,7 @@ import random
 
 from whale.config import Config
 from whale.domains.base import AnswerFormat, EpisodeEnv, EpisodeError, Problem
-from whale.search.mechanism import NO_HINTS
+from whale.harness.mechanism import NO_HINTS
 
 FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60, ("min", "s"): 60}
 

@@ -30,7 +30,7 @@ import random
 
 from whale.config import Config
 from whale.domains.base import AnswerFormat, DataError, EpisodeEnv, Problem
-from whale.search.mechanism import Hints, Mutation, append_user_prompt
+from whale.harness.mechanism import Hints, Mutation, append_user_prompt
 
 REMARKS = {
     "English": ["Good morning.", "Thank you very much.", "Excuse me.", "It is late.", "I am tired.", "See you soon.",

@@ -9,8 +9,8 @@ if ! command -v npm >/dev/null 2>&1; then
   echo "warning: npm not found; the agent CLIs are not installed (their tests are skipped)" >&2
   exit 0
 fi
-# the pins live in one place: whale/search/agent.py (PRESETS)
-SPECS=$(PYTHONPATH=$PWD "$PY" -c "from whale.search.agent import PRESETS; print(' '.join(p.npm for p in PRESETS.values()))")
+# the pins live in one place: whale/harness/agent.py (PRESETS)
+SPECS=$(PYTHONPATH=$PWD "$PY" -c "from whale.harness.agent import PRESETS; print(' '.join(p.npm for p in PRESETS.values()))")
 npm install --prefix .agents --no-save --no-fund --no-audit --loglevel=error $SPECS
 for exe in claude codex; do
   .agents/node_modules/.bin/$exe --version

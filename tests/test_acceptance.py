@@ -12,12 +12,12 @@ import pytest
 from whale.config import Config
 from whale.engine.base import Generation
 from whale.engine.null import NullEngine
-from whale.harness.runner import RolloutRunner
-from whale.search.acceptance import choose, confirm_sequentially, paired_test, pooled, sign_flip_p
-from whale.search.archive import Archive
-from whale.search.guard import null_probe
-from whale.search.loop import HarnessSearch
-from whale.search.proposal import Proposal
+from whale.rollout.runner import RolloutRunner
+from whale.harness.acceptance import choose, confirm_sequentially, paired_test, pooled, sign_flip_p
+from whale.harness.archive import Archive
+from whale.harness.guard import null_probe
+from whale.harness.loop import HarnessSearch
+from whale.harness.proposal import Proposal
 from whale.store import BUDGET_PURPOSES
 from tests.toy import H0, ScriptedEngine, ToyDomain
 

@@ -1,7 +1,7 @@
 """The real Claude Code and Codex CLIs as proposers, offline, against tests/agent_api.py.
 
 Marker `agent_cli`: these run the pinned CLIs that `bash scripts/install_agents.sh` puts in
-.agents/ (the versions in whale/search/agent.py's PRESETS), and are skipped with that command as
+.agents/ (the versions in whale/harness/agent.py's PRESETS), and are skipped with that command as
 the reason when they are missing. Each round runs under bubblewrap exactly as a user's would; the
 local API replays a scripted agent (read BRIEF.md and the archive, write candidates/cand_1.py)
 or fails on purpose (hang, 500, 429, 401). The loop's own rules (a failure repeated round after
@@ -26,10 +26,10 @@ from toy import H0
 from whale.config import ConfigError, load_config
 from whale.report import write_report
 from whale.run import run_experiment
-from whale.search.agent import PRESETS, AgentCLIProposer
-from whale.search.agent_sandbox import PACKAGE_DIR, Bind, bwrap_problem, check_binds, executable_binds
-from whale.search.brief import make_brief
-from whale.search.proposal import Proposal, ProposerStopped
+from whale.harness.agent import PRESETS, AgentCLIProposer
+from whale.harness.agent_sandbox import PACKAGE_DIR, Bind, bwrap_problem, check_binds, executable_binds
+from whale.harness.brief import make_brief
+from whale.harness.proposal import Proposal, ProposerStopped
 from whale.store import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,8 +26,8 @@ from test_engine_vllm import VLLM_PYTHON
 from test_search import BETTER, _resp, events, search_for
 
 from whale.engine.vllm_server import VLLMServer
-from whale.search.chat import ChatProposer
-from whale.search.chat_transport import HTTPTransport
+from whale.harness.chat import ChatProposer
+from whale.harness.chat_transport import HTTPTransport
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_MODEL_LEN = 4096

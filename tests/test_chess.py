@@ -407,7 +407,7 @@ def _mates(board, move):
 
 
 def test_h0_through_the_runner_solves_mate_in_one():
-    from whale.harness.runner import RolloutRunner
+    from whale.rollout.runner import RolloutRunner
 
     cfg = small_cfg()
     domain = ChessDomain(cfg)

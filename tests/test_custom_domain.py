@@ -8,7 +8,7 @@ import pytest
 from toy import ScriptedEngine
 from whale.config import ConfigError, load_config
 from whale.domains import load_domain
-from whale.harness.runner import RolloutRunner
+from whale.rollout.runner import RolloutRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from whale.config import Config
-from whale.search import mutation as M
-from whale.search.archive import Archive
-from whale.search.brief import make_brief
+from whale.harness import mutation as M
+from whale.harness.archive import Archive
+from whale.harness.brief import make_brief
 from whale.domains.chess.domain import ChessDomain
 from whale.domains.math.domain import MathDomain
 from whale.domains.searchqa.domain import SearchQADomain
 from whale.domains.searchqa.hints import key_terms
-from whale.search.diagnose import diagnose, episode_modes
-from whale.search.proposal import ProposalContext
+from whale.harness.diagnose import diagnose, episode_modes
+from whale.harness.proposal import ProposalContext
 
 ROOT = Path(__file__).resolve().parents[1]
 SEARCHQA_H0 = (ROOT / "whale" / "domains" / "searchqa" / "h0.py").read_text()
@@ -100,7 +100,7 @@ class SearchQA:
 
 
 def archive_with(tmp_path, rows, version: str = "v0") -> Archive:
-    from whale.harness.trajectory import Trajectory
+    from whale.rollout.trajectory import Trajectory
 
     archive = Archive(tmp_path)
     archive.add_candidate(SEARCHQA_H0, None, "base")
@@ -149,7 +149,7 @@ def test_a_mechanism_evaluated_under_old_weights_is_proposed_again_under_new_one
 
 
 def test_mechanisms_that_lost_in_this_run_wait_for_the_untried_relevant_ones(tmp_path):
-    from whale.harness.trajectory import Trajectory
+    from whale.rollout.trajectory import Trajectory
 
     """Seed 1 of the comparison: long answers dominate, passages also miss the relation. After
     the long-answer fixes lost to their parent, the next five proposals are the five fixes for the

@@ -30,7 +30,7 @@ from whale.domains.base import Problem
 from whale.engine import make_engine
 from whale.engine.base import Engine, GenerationRequest, SamplingParams
 from whale.engine.vllm import VLLMEngine
-from whale.harness.trajectory import LLMCall, Trajectory
+from whale.rollout.trajectory import LLMCall, Trajectory
 from whale.weights import RSFT, ProblemStream, Trainer, TrainingRow
 
 REPO = Path(__file__).resolve().parents[1]

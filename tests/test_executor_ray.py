@@ -21,7 +21,7 @@ from toy import ScriptedEngine, ToyDomain  # noqa: E402
 from whale.config import Config  # noqa: E402
 from whale.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from whale.executor import RayExecutor, make_executor  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 
 # asks "correctly" on even problems only, so rewards are mixed (the scripted engine is then right)
 HARNESS = '''

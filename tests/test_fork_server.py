@@ -1,4 +1,4 @@
-"""The fork server of a run is launched ahead of it (whale/harness/fork_server.py): the next run
+"""The fork server of a run is launched ahead of it (whale/rollout/fork_server.py): the next run
 adopts a process that was started but never played an episode; anything that does not fit is
 killed, never used."""
 
@@ -6,9 +6,9 @@ import threading
 
 from toy import H0, ScriptedEngine, ToyDomain
 from whale.config import Config, SandboxConfig
-from whale.harness import fork_server
-from whale.harness.fork_server import SpareForkServer
-from whale.harness.runner import RolloutRunner
+from whale.rollout import fork_server
+from whale.rollout.fork_server import SpareForkServer
+from whale.rollout.runner import RolloutRunner
 
 GOOD = H0.replace('"{question}"', '"Answer correctly: {question}"')  # the scripted engine answers it right
 

@@ -17,13 +17,13 @@ from whale.config import Config
 from whale.domains.base import AnswerFormat, Problem
 from whale.domains.reasoning_gym.domain import ReasoningGymDomain
 from whale.domains.searchqa.domain import SearchQADomain
-from whale.search import mutation as M
-from whale.search.archive import Archive
-from whale.search.brief import make_brief
-from whale.search.diagnose import diagnose, episode_modes
-from whale.search.mechanism import NO_HINTS
-from whale.search.proposal import ProposalContext
-from whale.search.validate import static_check
+from whale.harness import mutation as M
+from whale.harness.archive import Archive
+from whale.harness.brief import make_brief
+from whale.harness.diagnose import diagnose, episode_modes
+from whale.harness.mechanism import NO_HINTS
+from whale.harness.proposal import ProposalContext
+from whale.harness.validate import static_check
 
 from examples.language_domain import H0 as LANG_H0
 from examples.language_domain import LanguageDomain, grade_label
@@ -230,7 +230,7 @@ def test_format_mechanisms_exist_only_where_the_domain_declares_a_format():
 
 # ----- hints: declared, switchable, labelled ---------------------------------------------------------
 def lang_archive(tmp_path) -> Archive:
-    from whale.harness.trajectory import Trajectory
+    from whale.rollout.trajectory import Trajectory
 
     archive = Archive(tmp_path)
     archive.add_candidate(LANG_H0, None, "base")

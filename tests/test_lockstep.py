@@ -13,7 +13,7 @@ from toy import ToyDomain
 from whale.config import Config
 from whale.engine.base import GenerationRequest, SamplingParams
 from whale.engine.hf import HFEngine
-from whale.harness.runner import RolloutRunner
+from whale.rollout.runner import RolloutRunner
 
 JITTERY = '''
 import random, time

@@ -395,7 +395,7 @@ class ArithmeticEngine(QueuedSubmit):
 
 
 def test_h0_through_the_runner_uses_the_python_tool():
-    from whale.harness.runner import RolloutRunner
+    from whale.rollout.runner import RolloutRunner
 
     cfg = make_cfg(weight=4, harness=4, val=4, test=4, mix={"arith_add": 1, "arith_mul": 1, "arith_mixed": 1})
     domain = MathDomain(cfg)

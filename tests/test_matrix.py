@@ -9,7 +9,7 @@ import pytest
 
 from whale.config import ConfigError
 from whale.matrix import Matrix, build_matrix, decompose, read_run
-from whale.search.archive import Archive
+from whale.harness.archive import Archive
 from whale.report import write_report
 from whale.run import run_experiment
 from whale.store import read_metrics

@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 
 from whale.config import Config, ConfigError
-from whale.harness.trajectory import LLMCall, Trajectory
-from whale.search.agent import AGENT_PROMPT, AgentCLIProposer
-from whale.search.agent_sandbox import PACKAGE_DIR, bwrap_problem
-from whale.search.archive import Archive, ArchiveIntegrityError
-from whale.search.chat import ChatProposer, ChatTools, bounded_history
-from whale.search.chat_transport import ReplayTransport, RetryingTransport
-from whale.search.loop import HarnessSearch
-from whale.search.proposal import ProposalContext
-from whale.search.proposers import make_proposer
-from whale.search.workspace import build_workspace, proposer_workspace_root
+from whale.rollout.trajectory import LLMCall, Trajectory
+from whale.harness.agent import AGENT_PROMPT, AgentCLIProposer
+from whale.harness.agent_sandbox import PACKAGE_DIR, bwrap_problem
+from whale.harness.archive import Archive, ArchiveIntegrityError
+from whale.harness.chat import ChatProposer, ChatTools, bounded_history
+from whale.harness.chat_transport import ReplayTransport, RetryingTransport
+from whale.harness.loop import HarnessSearch
+from whale.harness.proposal import ProposalContext
+from whale.harness.proposers import make_proposer
+from whale.harness.workspace import build_workspace, proposer_workspace_root
 
 FIXTURES = Path(__file__).parent / "fixtures" / "proposer"
 NEEDS_BWRAP = pytest.mark.skipif(bwrap_problem() is not None, reason=f"needs bubblewrap: {bwrap_problem()}")

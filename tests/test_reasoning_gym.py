@@ -15,7 +15,7 @@ from whale.domains import load_domain  # noqa: E402
 from whale.domains.math.data import allocate  # noqa: E402
 from whale.engine.base import Generation  # noqa: E402
 from whale.evaluate import evaluate  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 
 TASKS = "domain.options.tasks=[chain_sum,letter_counting,spell_backward]"
 

@@ -75,7 +75,7 @@ def test_whale_schedule_runs_end_to_end(tiny_model_dir, tmp_path):
     assert len(steps) == 4 and led["rollouts"]["weight"] == 4 * 4 * 2
     assert led["rollouts"]["rescore"] == 4  # re-scoring of the incoming harness: 4 harness problems
     assert led["budget_rollouts"] == led["rollouts"]["weight"] + led["rollouts"].get("harness", 0) + 4 + \
-        led["rollouts"].get("confirm", 0)  # confirmation re-runs count (search/acceptance.py)
+        led["rollouts"].get("confirm", 0)  # confirmation re-runs count (harness/acceptance.py)
     trained = [r for r in steps if r["weights_version"]]
     assert trained, "the parity grader accepts about half of the samples, so some steps must train"
     assert state["weights_version"] == trained[-1]["weights_version"]

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from toy import ToyDomain
 from whale.config import Config
 from whale.engine.base import Generation, wait_all
-from whale.harness.runner import RolloutRunner
+from whale.rollout.runner import RolloutRunner
 
 HARNESS = '''
 def run(env, llm):
@@ -90,7 +90,7 @@ sys.path.insert(0, {tests!r})
 from toy import ToyDomain
 from whale.config import Config
 from whale.engine.null import NullEngine
-from whale.harness.runner import RolloutRunner
+from whale.rollout.runner import RolloutRunner
 runner = RolloutRunner(NullEngine(), ToyDomain(2), Config())
 print(runner._pool().submit(os.getpid).result(), flush=True)
 time.sleep(600)

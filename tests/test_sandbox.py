@@ -13,8 +13,8 @@ import pytest
 
 from toy import H0, ScriptedEngine, ToyDomain
 from whale.config import Config
-from whale.harness.runner import RolloutRunner
-from whale.harness.sandbox import Cgroup, bwrap_available, run_python
+from whale.rollout.runner import RolloutRunner
+from whale.rollout.sandbox import Cgroup, bwrap_available, run_python
 
 GOOD = H0.replace('"{question}"', '"Answer correctly: {question}"')
 
@@ -326,7 +326,7 @@ def test_run_python_tool_is_sandboxed():
 
 def test_uid_pool_ranges_are_disjoint_and_recycled(monkeypatch):
     """Processes sharing a node (the Ray driver and its actors) each hand out only their own uids."""
-    from whale.harness.sandbox import _UidPool
+    from whale.rollout.sandbox import _UidPool
 
     monkeypatch.setattr(os, "getuid", lambda: 0)  # the pool only hands out uids when root
     a, b = _UidPool(), _UidPool()

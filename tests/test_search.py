@@ -20,23 +20,23 @@ from typing import NamedTuple
 import pytest
 
 from whale.config import Config, ConfigError, load_config
-from whale.search.mechanism import NO_HINTS
+from whale.harness.mechanism import NO_HINTS
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Generation, GenerationRequest, QueuedSubmit, SamplingParams
 from whale.engine.null import NullEngine
-from whale.harness.runner import RolloutRunner
-from whale.harness.trajectory import LLMCall, Trajectory
-from whale.search import mutation as M
-from whale.search.archive import Archive, code_hash
-from whale.search.guard import null_probe
-from whale.search.loop import HarnessSearch
-from whale.search.agent import AgentCLIProposer
-from whale.search.chat import ChatProposer, ChatTools
-from whale.search.chat_transport import ReplayTransport
-from whale.search.proposal import Proposal, ProposalContext
-from whale.search.proposers import make_proposer
-from whale.search.workspace import build_workspace, file_mode_is_read_only
-from whale.search.validate import check_prompt_only, static_check, validate_candidate
+from whale.rollout.runner import RolloutRunner
+from whale.rollout.trajectory import LLMCall, Trajectory
+from whale.harness import mutation as M
+from whale.harness.archive import Archive, code_hash
+from whale.harness.guard import null_probe
+from whale.harness.loop import HarnessSearch
+from whale.harness.agent import AgentCLIProposer
+from whale.harness.chat import ChatProposer, ChatTools
+from whale.harness.chat_transport import ReplayTransport
+from whale.harness.proposal import Proposal, ProposalContext
+from whale.harness.proposers import make_proposer
+from whale.harness.workspace import build_workspace, file_mode_is_read_only
+from whale.harness.validate import check_prompt_only, static_check, validate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "proposer" / "chat_replay.json"
@@ -264,7 +264,7 @@ def test_code_hash_ignores_comments_layout_and_docstrings():
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef go(env, llm):\n    pass\n', "no top-level function run"),
     ('SYSTEM_PROMPT = ""\nUSER_PROMPT = ""\ndef run(env):\n    pass\n', "two positional parameters"),
     ('import numpy\n' + TOY_H0, "imports 'numpy'"),
-    ('from whale.search import archive\n' + TOY_H0, "imports 'whale'"),
+    ('from whale.harness import archive\n' + TOY_H0, "imports 'whale'"),
     ('from . import x\n' + TOY_H0, "relative import"),
     (TOY_H0 + '\nm = __import__("requests")\n', "imports 'requests'"),
     ("", "empty file"),

@@ -600,7 +600,7 @@ class ReaderEngine(QueuedSubmit):
 
 
 def test_h0_end_to_end_in_sandboxed_runner(domain):
-    from whale.harness.runner import RolloutRunner
+    from whale.rollout.runner import RolloutRunner
 
     cfg = Config()
     cfg.runner.concurrency = 4

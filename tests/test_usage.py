@@ -12,10 +12,10 @@ import re
 from toy import ToyDomain
 from whale.config import Config
 from whale.engine.base import Generation, QueuedSubmit
-from whale.harness.runner import RolloutRunner
-from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
-from whale.harness.usage import decide_usage, record_mark
-from whale.search.mutation import MAJORITY_VOTE
+from whale.rollout.runner import RolloutRunner
+from whale.rollout.trajectory import LLMCall, ToolCall, Trajectory
+from whale.rollout.usage import decide_usage, record_mark
+from whale.harness.mutation import MAJORITY_VOTE
 from whale.weights.rows import rows_from_trajectory
 
 

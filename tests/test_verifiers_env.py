@@ -27,7 +27,7 @@ from whale.config import ConfigError, load_config  # noqa: E402
 from whale.domains import load_domain  # noqa: E402
 from whale.engine.base import Generation  # noqa: E402
 from whale.evaluate import evaluate  # noqa: E402
-from whale.harness.runner import RolloutRunner  # noqa: E402
+from whale.rollout.runner import RolloutRunner  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "verifiers_envs"
 

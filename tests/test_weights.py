@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from whale.config import WeightConfig
 from whale.domains.base import Problem
-from whale.harness.trajectory import LLMCall, Trajectory
+from whale.rollout.trajectory import LLMCall, Trajectory
 from whale.weights import (RSFT, ProblemStream, Trainer, TrainingRow, WeightPatience, load_rows,
                            rows_from_trajectories, rows_from_trajectory, save_rows)
 from whale.weights.trainer import lora_target_modules

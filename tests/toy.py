@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from whale.search.mechanism import NO_HINTS
+from whale.harness.mechanism import NO_HINTS
 from whale.domains.base import EpisodeEnv, Problem
 from whale.engine.base import Generation, QueuedSubmit
 

@@ -162,7 +162,7 @@ def eval_cmd(
     cfg = _config(str(Path(run, "config.yaml")) if run else config, overrides)
     from whale.domains import SPLITS, load_domain
     from whale.evaluate import Evaluator, eval_seed
-    from whale.search.validate import static_check
+    from whale.harness.validate import static_check
 
     k = cfg.eval.k if k is None else k
     limit = cfg.eval.limit if limit is None else limit
@@ -323,7 +323,7 @@ def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa |
     cfg = _config(config, [f"domain.name={domain}"] + list(set_))
     from whale.domains import load_domain
     from whale.evaluate import Evaluator
-    from whale.search.validate import validate_candidate
+    from whale.harness.validate import validate_candidate
 
     dom = load_domain(cfg)
     source, _ = _read_harness(path, dom)
@@ -338,7 +338,7 @@ def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa |
 @harness_app.command("list")
 def harness_list(run_dir: str):
     """Every candidate in a run's archive with its scores."""
-    from whale.search.archive import Archive
+    from whale.harness.archive import Archive
 
     archive = Archive(run_dir)
     table = Table(title=f"{run_dir}/harnesses")

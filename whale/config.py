@@ -183,7 +183,7 @@ class HarnessSearchConfig(_Strict):
     confirm_rounds: int = Field(1, ge=1, description="sequential confirmation: up to this many re-runs, each "
                                 "confirm_samples per problem on new seeds, pooled; stops at the first that "
                                 "accepts or when no candidate is ahead; alpha is split over the rounds "
-                                "(search/acceptance.py)")
+                                "(harness/acceptance.py)")
     accept_alpha: float = Field(0.05, gt=0, le=1, description="one-sided level of the paired sign-flip test "
                                 "(split over the candidates tested); also the null probe's level")
     accept_margin: float = Field(0.0, ge=0, description="paired gain in success rate a candidate must exceed")

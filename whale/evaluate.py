@@ -20,8 +20,8 @@ from whale.domains import Domain, load_domain
 from whale.domains.base import Problem
 from whale.engine import make_engine
 from whale.executor import make_executor
-from whale.harness.runner import RolloutRunner, derive_seed
-from whale.harness.trajectory import Trajectory
+from whale.rollout.runner import RolloutRunner, derive_seed
+from whale.rollout.trajectory import Trajectory
 
 
 @dataclass

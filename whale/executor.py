@@ -43,9 +43,9 @@ from whale.domains import Domain, Problem, load_domain
 from whale.engine.base import Engine, Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all
 from whale.engine.vllm import VLLMEngine
 from whale.errors import MissingPackage, WorkerFailed
-from whale.harness.progress import ProgressBar
-from whale.harness.runner import RolloutRunner
-from whale.harness.trajectory import Trajectory
+from whale.rollout.progress import ProgressBar
+from whale.rollout.runner import RolloutRunner
+from whale.rollout.trajectory import Trajectory
 
 RAY_HINT = "pip install 'whale-opt[ray]'"
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
@@ -208,7 +208,7 @@ class RunnerActor:
 
     def __init__(self, cfg: Config, domain_factory: Callable[[], Domain], mailbox: Any, returns_ids: bool,
                  client: dict[str, Any] | None, uid_slice: tuple[int, int]):
-        from whale.harness import sandbox
+        from whale.rollout import sandbox
 
         sandbox.UIDS.use_range(*uid_slice)
         self.mailbox = mailbox
@@ -298,7 +298,7 @@ class RayExecutor:
             raise
 
     def _start_actors(self, num_actors, cpus_per_actor, node_affinity, ready_timeout_s) -> None:
-        from whale.harness.sandbox import UID_BASE, UID_COUNT, UIDS
+        from whale.rollout.sandbox import UID_BASE, UID_COUNT, UIDS
 
         ray, cfg, engine = self.ray, self.cfg, self.engine
         here = ray.get_runtime_context().get_node_id()

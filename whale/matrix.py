@@ -37,7 +37,7 @@ from whale.config import Config, ConfigError, config_from_dict  # noqa: E402
 from whale.domains import SPLITS, load_domain  # noqa: E402
 from whale.engine.default_model import resolve_model_path  # noqa: E402
 from whale.evaluate import Evaluator, bootstrap_ci  # noqa: E402
-from whale.search.archive import Archive  # noqa: E402
+from whale.harness.archive import Archive  # noqa: E402
 from whale.store import (Ledger, append_line, atomic_write, fingerprint_problems, read_metrics,  # noqa: E402
                          version_step)
 

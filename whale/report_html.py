@@ -26,7 +26,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 from whale import plots
-from whale.search.archive import Archive, ArchiveIntegrityError, id_number
+from whale.harness.archive import Archive, ArchiveIntegrityError, id_number
 from whale.store import read_jsonl_rows
 
 EPISODES_PER_GROUP = 2

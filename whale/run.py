@@ -9,7 +9,7 @@ unit's resume logic lives with the module that does the work:
   -------------------------------|------------------------------------|--------------------------------|----------------
   weight step `w<step>`          | checkpoint + state (incl. the next | rows on disk: retrain only;    | weights/rsft.py
                                  | phase and pending evaluation)      | else redo                      |
-  harness iteration `c<c>-h<i>`  | search state saved                 | evaluated candidates reused;   | search/loop.py
+  harness iteration `c<c>-h<i>`  | search state saved                 | evaluated candidates reused;   | harness/loop.py
                                  |                                    | archived proposals reused      |
   harness phase end `c<c>-accept`| accepted id + next phase + pending | the pending evaluation runs    | run.py
                                  | evaluation saved together          |                                |
@@ -34,12 +34,12 @@ from whale.config import Config, ConfigError
 from whale.domains import load_domain
 from whale.engine.default_model import resolve_model_path
 from whale.evaluate import Evaluator
-from whale.harness.runner import derive_seed
+from whale.rollout.runner import derive_seed
 from whale.schedule import Progress, Schedule
-from whale.search.archive import Archive
-from whale.search.loop import HarnessSearch
-from whale.search.proposers import make_proposer
-from whale.search.validate import static_check
+from whale.harness.archive import Archive
+from whale.harness.loop import HarnessSearch
+from whale.harness.proposers import make_proposer
+from whale.harness.validate import static_check
 from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary, read_metrics
 from whale.weights.patience import WeightPatience
 from whale.weights.distributed import TrainGroup

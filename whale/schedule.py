@@ -19,7 +19,7 @@ Adaptive (`schedule.adaptive: true`, any alternating kind): a weight phase lasts
 `weight_patience.window` steps, has set no new phase-best for `weight_patience.patience` steps
 after `burn_in` (weights/patience.py, the paper's early stop); a harness phase runs at least
 1 + harness.min_iterations and at most 1 + harness.max_iterations iterations and ends after
-harness.patience iterations without a new best success rate (search/loop.py).
+harness.patience iterations without a new best success rate (harness/loop.py).
 
 Cost-aware (`kind: gain`, new here: neither WHALE, Meta-Harness nor BetterTogether has it).
 Phases keep their lengths (E steps / I iterations, or adaptive), but which side runs next is

@@ -37,7 +37,7 @@ from whale.tracking import Trackers, check_trackers
 # Purposes that count against the paper-style rollout budget, and those only recorded.
 # The re-scoring of the incoming harness is the first harness iteration (docs/design.md, section 9), so it counts;
 # it keeps its own line in the ledger so reports can show it apart.
-BUDGET_PURPOSES = ("weight", "harness", "rescore", "confirm")  # confirm: see whale/search/acceptance.py
+BUDGET_PURPOSES = ("weight", "harness", "rescore", "confirm")  # confirm: see whale/harness/acceptance.py
 RECORDED_PURPOSES = ("eval", "smoke", "null_probe", "redone")
 
 # Test hook: `WHALE_TEST_KILL_AT=<point>` SIGKILLs this process when it reaches the named point

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, S
 from whale.config import BudgetConfig, ConfigError
 
 if TYPE_CHECKING:
-    from whale.search.mechanism import Hints
+    from whale.harness.mechanism import Hints
 
 SPLITS = ("weight", "harness", "val", "test")
 DEAL_ORDER = ("test", "val", "harness", "weight")  # held-out splits first: a bigger weight split leaves them alone
@@ -245,7 +245,7 @@ class Domain(Protocol):
     name: str
     brief: str  # for proposers: what env offers, answer format, what good harnesses do
     answer_format: AnswerFormat | None  # what the grader reads; None when it is not a text answer (chess's moves)
-    hints: "Hints"  # domain knowledge for proposers (whale.search.mechanism.Hints; `Hints()` for none)
+    hints: "Hints"  # domain knowledge for proposers (whale.harness.mechanism.Hints; `Hints()` for none)
 
     def load_splits(self) -> dict[str, list[Problem]]:
         """All four splits (SPLITS), disjoint by content, deterministic from the config seed."""

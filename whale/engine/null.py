@@ -2,7 +2,7 @@
 
 A harness can score well without the model doing anything useful: it may answer from rules it
 wrote itself (a chess harness that always plays the first capture, a QA harness that submits a
-fixed string). The guard (whale/search/guard.py) runs the same problems once with the real engine
+fixed string). The guard (whale/harness/guard.py) runs the same problems once with the real engine
 and once with this one; when the two scores are close, the model is not what earns the reward.
 
 To be a fair "knows nothing" baseline it must not be trivially worse than chance where the harness

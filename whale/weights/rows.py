@@ -7,7 +7,7 @@ with loss only on `completion_ids`. EOS is in `completion_ids` only when it was 
 `length` finish has none and we add none.
 
 Only calls that reached the episode's outcome are trained (`LLMCall.used`, decided by
-whale.harness.usage): a completion counts when it produced an action (a tool argument, the
+whale.rollout.usage): a completion counts when it produced an action (a tool argument, the
 submitted answer, the moves played) or was carried into a later used call's prompt; the `n`
 siblings a harness did not keep, retries it dropped and single-`choices` calls are not trained,
 and a harness can override with `completion.use()` / `completion.discard()`. An accepted episode
@@ -31,8 +31,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from whale.harness.trajectory import Trajectory
-from whale.harness.usage import decide_usage
+from whale.rollout.trajectory import Trajectory
+from whale.rollout.usage import decide_usage
 from whale.store import atomic_write
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from whale.config import WeightConfig
 from whale.domains.base import Problem
-from whale.harness.trajectory import Trajectory
+from whale.rollout.trajectory import Trajectory
 from whale.store import atomic_write, kill_point
 from whale.weights.rows import load_rows, rows_from_trajectories, save_rows
 

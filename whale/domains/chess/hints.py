@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from whale.domains.chess import hint_blocks as B
-from whale.search.mechanism import REWRITE_FIXES, Hints, Mutation, append_user_prompt, rewrite_system_prompt, wrap
+from whale.harness.mechanism import REWRITE_FIXES, Hints, Mutation, append_user_prompt, rewrite_system_prompt, wrap
 
 SYSTEM_PROMPTS = (
     "You are a chess grandmaster solving a tactics puzzle. Look for checks, captures and threats, in "

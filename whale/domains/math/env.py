@@ -22,6 +22,6 @@ class MathEnv(EpisodeEnv):
         if not isinstance(code, str):
             raise EpisodeError(f"env.python expects the code as a string, got {type(code).__name__}")
         # Imported here so the domain loads even where the sandbox module is unavailable.
-        from whale.harness.sandbox import run_python
+        from whale.rollout.sandbox import run_python
 
         return run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from whale.domains.math import hint_blocks as B
-from whale.search.mechanism import REWRITE_FIXES, Hints, Mutation, append_user_prompt, rewrite_system_prompt, wrap
+from whale.harness.mechanism import REWRITE_FIXES, Hints, Mutation, append_user_prompt, rewrite_system_prompt, wrap
 
 SYSTEM_PROMPTS = (
     "You are a careful mathematician. Solve the problem step by step, check each computation, and end "

@@ -20,7 +20,7 @@ from whale.config import Config, ConfigError
 from whale.domains.base import AnswerFormat, EpisodeEnv, Problem, split_sizes
 from whale.domains.reasoning_gym import data
 from whale.domains.reasoning_gym.grading import grade_reasoning_gym
-from whale.search.mechanism import NO_HINTS
+from whale.harness.mechanism import NO_HINTS
 
 OPTIONS = ("tasks", "weights", "config")
 

@@ -3,7 +3,7 @@
 Used only with `harness.domain_hints: on` (the default, so the published search-QA runs repeat);
 shown in the archive and the report as "hint: <name>". Mechanisms splice the blocks of
 hint_blocks.py; `episode_modes` names the retrieval and answer failures the diagnosis counts
-(search/diagnose.py) and the mechanisms aim at. Why word overlap for "off-topic": the question's
+(harness/diagnose.py) and the mechanisms aim at. Why word overlap for "off-topic": the question's
 entity (its capitalised words) and its other content words are what BM25 needs to match; a
 passage that names neither cannot contain the answer. Comparing stems (the first max(4, len - 2)
 letters) tolerates "Kenya"/"Kenyan".
@@ -20,10 +20,10 @@ import unicodedata
 from typing import Any
 
 from whale.domains.searchqa import hint_blocks as B
-from whale.search.blocks import ANSWER_LINE_STOP
-from whale.search.mechanism import (REWRITE_FIXES, Hints, Mutation, append_user_prompt, fill, rewrite_system_prompt,
+from whale.harness.blocks import ANSWER_LINE_STOP
+from whale.harness.mechanism import (REWRITE_FIXES, Hints, Mutation, append_user_prompt, fill, rewrite_system_prompt,
                                    wrap)
-from whale.search.source_edit import bump_constants, module_assign, prompt_fields, replace_base_run
+from whale.harness.source_edit import bump_constants, module_assign, prompt_fields, replace_base_run
 
 SYSTEM_PROMPTS = (
     "You answer factual questions with a search engine. Search for the main entity of the question "

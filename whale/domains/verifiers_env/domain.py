@@ -29,7 +29,7 @@ from whale.domains.base import EpisodeEnv, EpisodeError, Problem
 from whale.domains.searchqa.data import make_splits
 from whale.domains.verifiers_env import loader
 from whale.domains.verifiers_env.scoring import completion_messages, grade_verifiers
-from whale.search.mechanism import NO_HINTS
+from whale.harness.mechanism import NO_HINTS
 
 OPTIONS = ("env", "args")
 MAX_CALL_ID = 64

@@ -1,4 +1,4 @@
-"""Source edits of a harness file, used by the mutation proposer (search/mutation.py).
+"""Source edits of a harness file, used by the mutation proposer (harness/mutation.py).
 
 Why apart: these functions know Python source and the harness contract (a top-level `run`,
 SYSTEM_PROMPT / USER_PROMPT literals, named int constants), not which mechanism to try or why;
@@ -15,7 +15,7 @@ import re
 import string
 from typing import Callable
 
-from whale.search import blocks as B
+from whale.harness import blocks as B
 
 MARK = "# --- mutation: {} ---"
 

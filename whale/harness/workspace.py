@@ -19,8 +19,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from whale.search.archive import Archive
-from whale.search.proposal import Proposal, proposal_from_source
+from whale.harness.archive import Archive
+from whale.harness.proposal import Proposal, proposal_from_source
 
 ARCHIVE_FILES = ("meta.json", "scores.json", "traces.jsonl")  # besides harness.py
 ARCHIVE_ROOT_FILES = ("summary.jsonl", "frontier.json")

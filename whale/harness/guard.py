@@ -23,8 +23,8 @@ from typing import Any
 
 from whale.config import Config
 from whale.engine.null import NullEngine
-from whale.harness.runner import RolloutRunner
-from whale.search.acceptance import paired_test, per_problem, recorded_p
+from whale.rollout.runner import RolloutRunner
+from whale.harness.acceptance import paired_test, per_problem, recorded_p
 
 
 def null_probe(runner, harness_source: str, problems: list, cfg: Config, *, null_runner=None, domain=None,

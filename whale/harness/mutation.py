@@ -17,7 +17,7 @@ most of the time, another one sometimes. It is still a library, not a reasoner: 
 whole WHALE loop runs offline, in tests and on a laptop without an agent CLI or an API key; real
 searches should use `agent_cli` or `chat` (whose brief carries the same diagnosis).
 
-The library has two parts (search/mechanism.py):
+The library has two parts (harness/mechanism.py):
 - domain-general mechanisms (`general_library`), built from what the domain declares (its
   `answer_format`) and the parent's traces (its solved episodes, for few-shot exemplars), so they
   apply to a task nobody wrote them for: an answer prefill, a repair call when the submission does
@@ -40,8 +40,8 @@ How edits are made robust to any descendant of the domains' h0 harnesses:
   and are skipped otherwise.
 Every block is marked `# --- mutation: <name> ---`, a mechanism is applied at most once per
 lineage, and every result passes the same static checks as any candidate. The general code blocks
-live in search/blocks/, a domain's in its hint_blocks.py; the source edits that splice them in, in
-search/source_edit.py.
+live in harness/blocks/, a domain's in its hint_blocks.py; the source edits that splice them in, in
+harness/source_edit.py.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from typing import Any
 
 from whale.config import Config
 from whale.domains.base import AnswerFormat
-from whale.search import blocks as B
-from whale.search.archive import code_hash
-from whale.search.diagnose import Diagnosis, diagnose, harness_traces
-from whale.search.mechanism import REWRITE_FIXES, Mutation, fill, hints_in_use, rewrite_system_prompt, wrap
-from whale.search.proposal import Proposal
-from whale.search.source_edit import MARK, has_mutation, stamp_docstring
-from whale.search.validate import static_check
+from whale.harness import blocks as B
+from whale.harness.archive import code_hash
+from whale.harness.diagnose import Diagnosis, diagnose, harness_traces
+from whale.harness.mechanism import REWRITE_FIXES, Mutation, fill, hints_in_use, rewrite_system_prompt, wrap
+from whale.harness.proposal import Proposal
+from whale.harness.source_edit import MARK, has_mutation, stamp_docstring
+from whale.harness.validate import static_check
 
 FEW_SHOT_EXAMPLES = 2  # solved episodes shown as exemplars
 FEW_SHOT_CHARS = 600  # longest question or answer an exemplar may have

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from whale.search.agent_sandbox import (Bind, agent_env, bwrap_argv, bwrap_problem, check_bind_paths, check_binds,
+from whale.harness.agent_sandbox import (Bind, agent_env, bwrap_argv, bwrap_problem, check_bind_paths, check_binds,
                                         executable_binds, expand, open_copies)
-from whale.search.proposal import Proposal
-from whale.search.workspace import build_workspace, collect_candidates, remove_tree
+from whale.harness.proposal import Proposal
+from whale.harness.workspace import build_workspace, collect_candidates, remove_tree
 
 AGENT_PROMPT = ("Read BRIEF.md in the current directory and follow it exactly: study the archive in archive/, "
                 "then write the candidate harness files into candidates/. Everything you need is in this "

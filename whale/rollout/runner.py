@@ -35,11 +35,11 @@ from typing import Any, Callable
 from whale.config import Config
 from whale.domains.base import Domain, EpisodeEnv, EpisodeError, Problem
 from whale.engine.base import Engine, Generation, GenerationRequest, LockstepGate, SamplingParams
-from whale.harness.progress import ProgressBar
-from whale.harness.fork_server import SandboxHost, SpareForkServer
-from whale.harness.sandbox import UIDS
-from whale.harness.trajectory import LLMCall, ToolCall, Trajectory
-from whale.harness.usage import decide_usage, record_mark
+from whale.rollout.progress import ProgressBar
+from whale.rollout.fork_server import SandboxHost, SpareForkServer
+from whale.rollout.sandbox import UIDS
+from whale.rollout.trajectory import LLMCall, ToolCall, Trajectory
+from whale.rollout.usage import decide_usage, record_mark
 
 ROLES = {"system", "user", "assistant", "tool"}
 MAX_FORGED = 50  # unparseable or off-schema messages tolerated before the episode is killed
@@ -143,7 +143,7 @@ class RolloutRunner:
         self._grader = domain.grader()  # picklable: runs in the grader processes
         self._grade_pool: ProcessPoolExecutor | None = None
         self._grade_lock = threading.Lock()
-        # the next run's fork server, launched as each run ends (whale/harness/fork_server.py)
+        # the next run's fork server, launched as each run ends (whale/rollout/fork_server.py)
         self.spare_fork_server: SpareForkServer | None = SpareForkServer()
         self.stats: dict[str, float] = {"episodes": 0, "llm_calls": 0, "lockstep_breaks": 0}
         self.last_lockstep_breaks: int | None = None  # see Executor.last_lockstep_breaks

@@ -23,9 +23,9 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Callable
 
-from whale.search.chat_transport import HTTPTransport, RetryingTransport, Transport, describe
-from whale.search.proposal import Proposal, proposal_from_source
-from whale.search.workspace import build_workspace, remove_tree
+from whale.harness.chat_transport import HTTPTransport, RetryingTransport, Transport, describe
+from whale.harness.proposal import Proposal, proposal_from_source
+from whale.harness.workspace import build_workspace, remove_tree
 
 CHARS_PER_TOKEN = 4  # the history estimate; only its order of magnitude matters
 

@@ -1,6 +1,6 @@
 """The fork server a rollout run plays its episodes in, launched before the run needs it.
 
-Each run gets one sandboxed fork server (whale/harness/sandbox_worker.py; docs/sandbox.md): the
+Each run gets one sandboxed fork server (whale/rollout/sandbox_worker.py; docs/sandbox.md): the
 interpreter starts under bubblewrap, receives the harness source, and forks one process per episode.
 Starting that interpreter took 55-66 ms on an idle 2-core machine and up to 160 ms with the engine
 working beside it, and until it is up no episode can make its first call: the engine sat idle for it
@@ -25,7 +25,7 @@ import subprocess
 import threading
 
 from whale.config import SandboxConfig
-from whale.harness.sandbox import (Cgroup, _extra_paths, _limits, resolve_mode, worker_command,
+from whale.rollout.sandbox import (Cgroup, _extra_paths, _limits, resolve_mode, worker_command,
                                    world_readable_stdlib)
 
 

@@ -40,15 +40,15 @@ from typing import Any, Callable
 
 from whale.config import Config
 from whale.engine.null import NullEngine
-from whale.harness.runner import RolloutRunner, derive_seed
-from whale.search.acceptance import choose, confirm_sequentially, per_problem
-from whale.search.archive import Archive, atomic_write
-from whale.search.brief import make_brief
-from whale.search.diagnose import diagnose_harness
-from whale.search.guard import null_probe
-from whale.search.proposal import ProposalContext, ProposerStopped
-from whale.search.validate import validate_candidate
-from whale.search.workspace import proposer_workspace_root
+from whale.rollout.runner import RolloutRunner, derive_seed
+from whale.harness.acceptance import choose, confirm_sequentially, per_problem
+from whale.harness.archive import Archive, atomic_write
+from whale.harness.brief import make_brief
+from whale.harness.diagnose import diagnose_harness
+from whale.harness.guard import null_probe
+from whale.harness.proposal import ProposalContext, ProposerStopped
+from whale.harness.validate import validate_candidate
+from whale.harness.workspace import proposer_workspace_root
 
 FAILURE_REPEATS = 3  # proposer rounds failing alike in a row that stop the search (ProposerStopped)
 

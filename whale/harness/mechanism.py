@@ -1,9 +1,9 @@
 """What a mechanism of the offline proposer is, and what a domain declares as hints.
 
-A `Mutation` is one real code transformation of a harness: a source edit (search/source_edit.py)
+A `Mutation` is one real code transformation of a harness: a source edit (harness/source_edit.py)
 that splices a marked block of plain harness code into a candidate. Two kinds exist:
 
-- domain-general mechanisms (search/mutation.py, blocks in search/blocks/): they rely only on the
+- domain-general mechanisms (harness/mutation.py, blocks in harness/blocks/): they rely only on the
   harness contract and what a domain declares (its `answer_format`, the parent's traces), so they
   apply to a task nobody wrote them for;
 - hints (`hint=True`): a domain's own knowledge, declared as `Domain.hints` in the domain's
@@ -11,8 +11,8 @@ that splices a marked block of plain harness code into a candidate. Two kinds ex
   `harness.domain_hints: on` and show in the archive and the report as "hint: <name>", so a reader
   sees how much of a result is the general search and how much hand-written knowledge.
 
-`Hints` also carries the domain's failure modes (read by search/diagnose.py) and the text the LLM
-proposers' brief gets (search/brief.py).
+`Hints` also carries the domain's failure modes (read by harness/diagnose.py) and the text the LLM
+proposers' brief gets (harness/brief.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from whale.search.source_edit import edit_prompt, escape_braces, wrap_run
+from whale.harness.source_edit import edit_prompt, escape_braces, wrap_run
 
 HINT_PREFIX = "hint: "
 # what a system-prompt rewrite addresses, the general one and a domain's alike
@@ -33,7 +33,7 @@ class Mutation:
     name: str
     hypothesis: str
     apply: Callable[[str, random.Random], str | None]
-    fixes: tuple[str, ...] = ()  # failure modes (search/diagnose.py) it addresses; tried first for them
+    fixes: tuple[str, ...] = ()  # failure modes (harness/diagnose.py) it addresses; tried first for them
     prompt_only: bool = False  # changes only SYSTEM_PROMPT / USER_PROMPT
     conflicts: tuple[str, ...] = ()  # mechanisms (names) a lineage may not also have
     # Keeps the layout of what the model reads as it was: it changes which passage it gets, how many

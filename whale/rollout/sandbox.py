@@ -13,7 +13,7 @@ Without bubblewrap (`mode: process`) only 2-3 hold: the harness can read what th
 may read and can open network connections. A one-line warning says so.
 
 The fork server a rollout run plays its episodes in is launched and driven by
-whale/harness/fork_server.py, with the command lines and cgroups made here.
+whale/rollout/fork_server.py, with the command lines and cgroups made here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Harness code that the mutation proposer (search/mutation.py) splices into candidates.
+"""Harness code that the mutation proposer (harness/mutation.py) splices into candidates.
 
 Each block is plain harness code (standard library only, the harness contract). `__INNER__` is
 replaced by the name of the renamed parent `run`, `__NAME__` by the name of a replaced base run.
@@ -6,8 +6,8 @@ Wrappers change one mechanism each and hand everything else through, so they com
 here are domain-general; a domain's own blocks live with its hints (whale/domains/<name>/).
 """
 
-from whale.search.blocks.common import HELPERS, HELPERS_MARK, MAJORITY_VOTE, SYSTEM_PROMPTS
-from whale.search.blocks.generic import (
+from whale.harness.blocks.common import HELPERS, HELPERS_MARK, MAJORITY_VOTE, SYSTEM_PROMPTS
+from whale.harness.blocks.generic import (
     ANSWER_EXTRACTION,
     ANSWER_LINE_STOP,
     ANSWER_PREFILL,

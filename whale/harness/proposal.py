@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from whale.errors import WhaleError
-from whale.search.archive import Archive
-from whale.search.validate import parse_docstring_fields
+from whale.harness.archive import Archive
+from whale.harness.validate import parse_docstring_fields
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ProposalContext:
 
 
 class ProposerStopped(WhaleError, RuntimeError):
-    """The proposer failed the same way round after round (search/loop.py): the search stops.
+    """The proposer failed the same way round after round (harness/loop.py): the search stops.
     Its line already says how to continue (`whale run --resume`), so the CLI adds no second hint."""
 
     resumable = False

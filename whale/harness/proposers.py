@@ -14,10 +14,10 @@ returns [] and says why in `last_error`, and the loop records it.
 from __future__ import annotations
 
 from whale.config import Config, ConfigError
-from whale.search.agent import AgentCLIProposer
-from whale.search.chat import ChatProposer
-from whale.search.mutation import MutationProposer
-from whale.search.proposal import Proposal, ProposalContext, Proposer, proposal_from_source
+from whale.harness.agent import AgentCLIProposer
+from whale.harness.chat import ChatProposer
+from whale.harness.mutation import MutationProposer
+from whale.harness.proposal import Proposal, ProposalContext, Proposer, proposal_from_source
 
 
 def make_proposer(cfg: Config) -> Proposer:

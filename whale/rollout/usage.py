@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from whale.harness.trajectory import LLMCall, Trajectory
+from whale.rollout.trajectory import LLMCall, Trajectory
 
 
 def _norm(text: str | None) -> str:

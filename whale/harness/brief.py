@@ -16,7 +16,7 @@ from typing import Any
 
 from whale.config import Config
 from whale.domains.base import Domain
-from whale.search.mechanism import hints_in_use
+from whale.harness.mechanism import hints_in_use
 
 CONTRACT = """\
 A harness is ONE Python file that defines

@@ -28,7 +28,7 @@ class LLMCall:
     template_kwargs: dict[str, Any] | None = None
     sample_index: int = 0  # which of n samples of the same request
     # Did this completion reach the episode's outcome (and so may be trained)? Decided by
-    # whale.harness.usage at the end of the episode; None in traces written before the rule.
+    # whale.rollout.usage at the end of the episode; None in traces written before the rule.
     used: bool | None = None
     use_reason: str = ""
     mark: bool | None = None  # the harness's completion.use() (True) / .discard() (False)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from whale.harness.trajectory import Trajectory
+from whale.rollout.trajectory import Trajectory
 from whale.store import atomic_write, file_sha256
 
 STATUSES = ("pending", "valid", "invalid", "duplicate")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from whale.domains.base import AnswerFormat
-from whale.search.mechanism import NO_HINTS, Hints, hints_in_use
+from whale.harness.mechanism import NO_HINTS, Hints, hints_in_use
 
 MODES: dict[str, str] = {
     "harness_error": "the episode ended with an error (crash, budget or wall time)",
