@@ -15,6 +15,7 @@ from whale.domains.math import data as math_data
 from whale.domains.math.env import MathEnv
 from whale.domains.math.grading import grade_answer, grade_math, last_boxed
 from whale.engine.base import QueuedSubmit
+from whale.harness.mutation import mutations_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "math"
 
@@ -408,3 +409,14 @@ def test_h0_through_the_runner_uses_the_python_tool():
     assert [t.error for t in trajs] == [None] * 4
     assert [t.reward for t in trajs] == [1.0] * 4
     assert all(t.tool_calls and t.tool_calls[0].name == "python" for t in trajs)
+
+
+def test_math_hints_offer_one_format_repair_not_two():
+    """retry_parse_failure is math's own repair call (prefilled with the boxed answer); with hints on it
+    takes the place of the general format_repair, so the search does not spend candidates on both."""
+    on = {m.name for m in mutations_for(MathDomain(make_cfg()), make_cfg())}
+    off_cfg = make_cfg()
+    off_cfg.harness.domain_hints = False
+    off = {m.name for m in mutations_for(MathDomain(off_cfg), off_cfg)}
+    assert "retry_parse_failure" in on and "format_repair" not in on
+    assert "format_repair" in off and "retry_parse_failure" not in off

@@ -35,7 +35,8 @@ MECHANISMS = (
              fixes=("no_boxed_answer", "length_cutoff"), hint=True),
     Mutation("retry_parse_failure", "When the submission has no boxed answer, one short prefilled "
              "follow-up call recovers a gradable answer.", wrap("retry_parse_failure", B.RETRY_PARSE),
-             fixes=("no_boxed_answer", "length_cutoff", "no_submission"), keeps_layout=True, hint=True),
+             fixes=("no_boxed_answer", "length_cutoff", "no_submission"), keeps_layout=True, hint=True,
+             replaces=("format_repair",)),
     Mutation("self_check", "Asking the model to check its solution before submitting catches some "
              "wrong answers.", wrap("self_check", B.SELF_CHECK), fixes=("wrong_answer",), hint=True),
 )
