@@ -2,7 +2,9 @@
 domain named in the config.
 
 `load_domain(cfg)` is the one entry point; `domain.module: "pkg.mod:Class"` loads your own class
-(it must follow `whale.domains.base.Domain`; see examples/custom_domain.py).
+(it must follow `whale.domains.base.Domain`; see examples/custom_domain.py). Only the chosen
+domain's package is imported: together they load sympy, scipy, python-chess and asyncio (seconds),
+and the command line imports this package at startup.
 """
 
 from __future__ import annotations
@@ -28,23 +30,23 @@ def load_domain(cfg: Config) -> Domain:
             raise ConfigError(f"domain.module {cfg.domain.module!r} could not be loaded: {e}") from None
         domain = cls(cfg)
     elif cfg.domain.name == "searchqa":
-        from whale.domains.searchqa import SearchQADomain
+        from whale.domains.searchqa import SearchQADomain  # lazy: only the chosen domain loads
 
         domain = SearchQADomain(cfg)
     elif cfg.domain.name == "math":
-        from whale.domains.math import MathDomain
+        from whale.domains.math import MathDomain  # lazy: only the chosen domain loads
 
         domain = MathDomain(cfg)
     elif cfg.domain.name == "chess":
-        from whale.domains.chess import ChessDomain
+        from whale.domains.chess import ChessDomain  # lazy: only the chosen domain loads
 
         domain = ChessDomain(cfg)
     elif cfg.domain.name == "reasoning_gym":
-        from whale.domains.reasoning_gym import ReasoningGymDomain
+        from whale.domains.reasoning_gym import ReasoningGymDomain  # lazy: only the chosen domain loads
 
         domain = ReasoningGymDomain(cfg)
     elif cfg.domain.name == "verifiers":
-        from whale.domains.verifiers_env import VerifiersDomain
+        from whale.domains.verifiers_env import VerifiersDomain  # lazy: only the chosen domain loads
 
         domain = VerifiersDomain(cfg)
     else:

@@ -289,7 +289,7 @@ class OpenAIEngine:
     def _render(self, req: GenerationRequest) -> str:
         """The prompt text as the model sees it, from the local tokenizer's chat template."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # lazy: heavy, and only a local tokenizer_path needs it
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         prefill = is_prefill(req.messages)

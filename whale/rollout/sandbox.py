@@ -18,6 +18,7 @@ whale/rollout/fork_server.py, with the command lines and cgroups made here.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -200,8 +201,6 @@ def world_readable_stdlib() -> bool:
 
 
 def _package_dir(name: str) -> str:
-    import importlib.util
-
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
         raise ValueError(f"sandbox.extra_packages: package '{name}' is not installed")
