@@ -78,7 +78,7 @@ def http_json(url: str, body: dict[str, Any] | None = None, *, headers: dict[str
         except urllib.error.HTTPError as e:
             failure = HTTPFailure(e.code, _error_message(e.read()))
         except (urllib.error.URLError, OSError) as e:  # refused, reset, timeout
-            reason = getattr(e, "reason", e)
+            reason = e.reason if isinstance(e, urllib.error.URLError) else e
             failure = HTTPFailure(0, f"cannot reach {url}: {reason}")
         if attempt < retries and (failure.status == 0 or failure.status in _RETRY_STATUS):
             time.sleep(min(8.0, 0.5 * 2**attempt))

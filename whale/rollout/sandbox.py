@@ -300,7 +300,7 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 512, output_
     def pump():
         nonlocal size
         while True:
-            data = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(65536)
+            data = proc.stdout.read1(65536)  # a PIPE is buffered: read1 returns what is there
             if not data:
                 return
             if size < output_chars * 4:

@@ -23,6 +23,8 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
+from whale.domains.base import Problem
+
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_SPACE = re.compile(r"\\boxed +([^\s$]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -120,6 +122,6 @@ def grade_answer(gold: Any, answer: Any, lenient_last_number: bool = False) -> f
         return 0.0
 
 
-def grade_math(problem: Any, answer: Any, lenient_last_number: bool = False) -> float:
+def grade_math(problem: Problem, answer: Any, lenient_last_number: bool = False) -> float:
     """The domain grader: module-level so it pickles into grader worker processes."""
-    return grade_answer(getattr(problem, "answer", None), answer, lenient_last_number)
+    return grade_answer(problem.answer, answer, lenient_last_number)
