@@ -19,7 +19,7 @@ def make_engine(cfg: Config) -> Engine:
     m = cfg.model
     if m.backend == "hf":
         path = resolve_model_path(m.name)  # a model that cannot load says so before torch is imported
-        from whale.engine.hf import HFEngine  # lazy: torch, transformers
+        from whale.engine.hf import HFEngine  # lazy: torch, transformers, peft
 
         return HFEngine(path, dtype=m.dtype, device=m.device,
                         max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
