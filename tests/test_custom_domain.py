@@ -43,3 +43,20 @@ def test_bad_module_is_a_clear_error():
         load_domain(load_config(None, ["domain.module=nope.nothing:X"]))
     with pytest.raises(ConfigError, match="package.module:ClassName"):
         load_domain(load_config(None, ["domain.module=examples.custom_domain"]))
+
+
+class NoGrader:
+    """A user domain missing members of the Domain protocol (loaded by name in the test below)."""
+
+    answer_format = None
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def load_splits(self):
+        return {}
+
+
+def test_user_domain_missing_protocol_members_is_one_clear_error():
+    with pytest.raises(ConfigError, match="lacks make_env, grade, grader, base_harness, hints"):
+        load_domain(load_config(None, ["domain.module=tests.test_custom_domain:NoGrader"]))

@@ -7,6 +7,7 @@ file in the temp folder when there is none, or it cannot be written), and exits 
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -22,9 +23,14 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from whale.config import Config, ConfigError, config_reference, dump_config, load_config
+from whale.domains import SPLITS, load_domain
 from whale.engine.default_model import is_default_model
 from whale.errors import describe, exit_code, resumable, write_log
+from whale.harness.archive import Archive
+from whale.harness.validate import static_check, validate_candidate
 
+# Commands import what loads torch or matplotlib (evaluate, run, report, compare, matrix) inside
+# themselves: `whale --help` and `whale config` stay light, and torch comes after these settings.
 # Before torch is imported: busy-waiting OpenMP threads make generation 5-10x slower when the
 # sandboxed episodes and graders share the cores (measured on 2 cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -160,9 +166,7 @@ def eval_cmd(
         _fail(f"--run {run}: not a run directory (no config.yaml)")
     overrides = ([f"domain.name={domain}"] if domain else []) + ([f"model.name={model}"] if model else []) + list(set_)
     cfg = _config(str(Path(run, "config.yaml")) if run else config, overrides)
-    from whale.domains import SPLITS, load_domain
-    from whale.evaluate import Evaluator, eval_seed
-    from whale.harness.validate import static_check
+    from whale.evaluate import Evaluator, eval_seed  # lazy: torch
 
     k = cfg.eval.k if k is None else k
     limit = cfg.eval.limit if limit is None else limit
@@ -217,7 +221,7 @@ def run_cmd(
     resume: Optional[str] = typer.Option(None, help="continue the run in this directory"),
 ):
     """Run WHALE or a baseline (schedule.kind) and write the run directory."""
-    from whale.run import run_experiment
+    from whale.run import run_experiment  # lazy: torch, transformers
 
     if config and config_opt and config != config_opt:
         _fail(f"two configs given ({config} and --config {config_opt}); give one")
@@ -261,8 +265,8 @@ def demo_cmd(
     set_: list[str] = typer.Option([], "--set", help="override a config key: a.b=c"),
 ):
     """A short WHALE run on the embedded offline default (SmolLM2-135M, search QA, CPU)."""
-    from whale.report import write_report
-    from whale.run import run_experiment
+    from whale.report import write_report  # lazy: matplotlib
+    from whale.run import run_experiment  # lazy: torch, transformers
 
     cfg = _config(str(CONFIGS / "demo.yaml"), set_)
     _working_in(out, f"whale demo --out {out}")
@@ -278,7 +282,7 @@ def demo_cmd(
 @app.command("report")
 def report_cmd(run_dir: str):
     """Write RUN_DIR/report/report.md with plots, and report.html (one self-contained page to open)."""
-    from whale.report import write_report
+    from whale.report import write_report  # lazy: matplotlib
 
     _working_in(run_dir)
     md = write_report(run_dir)
@@ -292,7 +296,7 @@ def compare_cmd(run_dirs: list[str], out: str = typer.Option("compare", help="ou
                 partial: bool = typer.Option(False, "--partial", help="include unfinished runs as they stand "
                                              "(marked); default: leave them out, named")):
     """One table (best / final / val-selected mean@k, rollouts, time) and overlay plots across runs."""
-    from whale.compare import compare_runs
+    from whale.compare import compare_runs  # lazy: matplotlib
 
     path = compare_runs(run_dirs, out, references=ref or None, partial=partial)
     console.print(Path(path).read_text())
@@ -307,7 +311,7 @@ def matrix_cmd(
     with_: list[str] = typer.Option([], "--with", help="another run whose harnesses and weights join the matrix"),
 ):
     """Every accepted harness of a run under every weights version it kept: RUN_DIR/matrix/matrix.md + .png."""
-    from whale.matrix import build_matrix
+    from whale.matrix import build_matrix  # lazy: torch, matplotlib
 
     _working_in(run_dir)
     path = build_matrix(run_dir, split=split, k=k, others=with_)
@@ -321,9 +325,7 @@ def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa |
                      prompt_only: bool = typer.Option(False, help="also check that only the prompts differ from h0")):
     """The same checks the search applies: static checks, then a smoke episode in the sandbox."""
     cfg = _config(config, [f"domain.name={domain}"] + list(set_))
-    from whale.domains import load_domain
-    from whale.evaluate import Evaluator
-    from whale.harness.validate import validate_candidate
+    from whale.evaluate import Evaluator  # lazy: torch
 
     dom = load_domain(cfg)
     source, _ = _read_harness(path, dom)
@@ -338,8 +340,6 @@ def harness_validate(path: str, domain: str = typer.Option(..., help="searchqa |
 @harness_app.command("list")
 def harness_list(run_dir: str):
     """Every candidate in a run's archive with its scores."""
-    from whale.harness.archive import Archive
-
     archive = Archive(run_dir)
     table = Table(title=f"{run_dir}/harnesses")
     for col in ("id", "parent", "status", "mechanism", "scores (weights: success)"):
@@ -363,8 +363,6 @@ def harness_show(run_dir: str, harness_id: str):
 @harness_app.command("diff")
 def harness_diff(run_dir: str, a: str, b: str):
     """Unified diff between two candidates."""
-    import difflib
-
     pa, pb = (Path(run_dir) / "harnesses" / x / "harness.py" for x in (a, b))
     for p in (pa, pb):
         if not p.is_file():

@@ -45,6 +45,7 @@ from whale.engine.vllm import VLLMEngine
 from whale.errors import MissingPackage, WorkerFailed
 from whale.rollout.progress import ProgressBar
 from whale.rollout.runner import RolloutRunner
+from whale.rollout.sandbox import UID_BASE, UID_COUNT, UIDS
 from whale.rollout.trajectory import Trajectory
 
 RAY_HINT = "pip install 'whale-opt[ray]'"
@@ -82,7 +83,7 @@ def make_executor(cfg: Config, engine: Engine, domain: Domain,
 
 def import_ray():
     try:
-        import ray
+        import ray  # optional extra: ray
     except ImportError:
         raise MissingPackage(f"compute.executor 'ray' needs Ray, which is not installed: {RAY_HINT}") from None
     return ray
@@ -159,12 +160,12 @@ class EngineProxy:
 
     @property
     def weights_version(self) -> str:
-        import ray
+        import ray  # optional extra: ray (this runs in a Ray actor, so it is installed)
 
         return ray.get(self.mailbox.info.remote())[0]
 
     def _call(self, method: str, *args: Any) -> Any:
-        import ray
+        import ray  # optional extra: ray (this runs in a Ray actor, so it is installed)
 
         ok, value = ray.get(self.mailbox.call.remote(method, args))
         if not ok:  # raised here, not in the actor, so the message stays short (no remote traceback)
@@ -208,9 +209,7 @@ class RunnerActor:
 
     def __init__(self, cfg: Config, domain_factory: Callable[[], Domain], mailbox: Any, returns_ids: bool,
                  client: dict[str, Any] | None, uid_slice: tuple[int, int]):
-        from whale.rollout import sandbox
-
-        sandbox.UIDS.use_range(*uid_slice)
+        UIDS.use_range(*uid_slice)
         self.mailbox = mailbox
         self.client = VLLMEngine(**client) if client is not None else None  # its own client of the server
         self.engine: Engine = self.client if self.client is not None else EngineProxy(mailbox, returns_ids)
@@ -220,7 +219,7 @@ class RunnerActor:
             seed: int, purpose: str, routing: dict[str, Any] | None) -> dict[str, Any]:
         if self.client is not None and routing is not None:  # where the driver's client sends requests now
             self.client.follow(routing)
-        import ray
+        import ray  # optional extra: ray (this runs in a Ray actor, so it is installed)
 
         sent = []  # refs of streamed trajectories: all delivered before this call returns
 
@@ -259,7 +258,7 @@ class RayExecutor:
                  num_actors: int | None = None, cpus_per_actor: float = 0.5, num_cpus: int | None = None,
                  runtime_env: dict[str, Any] | None = None, poll_s: float = 0.05, ready_timeout_s: float = 600.0):
         ray = import_ray()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # optional extra: ray
 
         if num_actors is not None and num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors}")
@@ -298,8 +297,6 @@ class RayExecutor:
             raise
 
     def _start_actors(self, num_actors, cpus_per_actor, node_affinity, ready_timeout_s) -> None:
-        from whale.rollout.sandbox import UID_BASE, UID_COUNT, UIDS
-
         ray, cfg, engine = self.ray, self.cfg, self.engine
         here = ray.get_runtime_context().get_node_id()
         self.mailbox = ray.remote(EngineActor).options(

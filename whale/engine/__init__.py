@@ -1,12 +1,16 @@
 """Model serving behind one `Engine` protocol: hf (in-process), vllm (server), openai (any endpoint), null.
 
 `make_engine(cfg)` is the one entry point, so training, search and evaluation get the same engine.
+Each backend's module is imported when it is chosen: hf and vllm load torch, openai the HTTP stack,
+and the command line imports this package before any of them is needed.
 """
 
 from __future__ import annotations
 
 from whale.config import Config, ConfigError
 from whale.engine.base import Engine, Generation, GenerationRequest, SamplingParams
+from whale.engine.default_model import resolve_model_path
+from whale.engine.null import NullEngine
 
 __all__ = ["Engine", "Generation", "GenerationRequest", "SamplingParams", "make_engine"]
 
@@ -14,18 +18,15 @@ __all__ = ["Engine", "Generation", "GenerationRequest", "SamplingParams", "make_
 def make_engine(cfg: Config) -> Engine:
     m = cfg.model
     if m.backend == "hf":
-        from whale.engine.default_model import resolve_model_path
-
         path = resolve_model_path(m.name)  # a model that cannot load says so before torch is imported
-        from whale.engine.hf import HFEngine
+        from whale.engine.hf import HFEngine  # lazy: torch, transformers, peft
 
         return HFEngine(path, dtype=m.dtype, device=m.device,
                         max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
                         cpu_threads=m.cpu_threads)
     if m.backend == "vllm":
-        from whale.engine.default_model import resolve_model_path
-        from whale.engine.hf import resolve_device
-        from whale.engine.vllm import VLLMEngine
+        from whale.engine.hf import resolve_device  # lazy: torch
+        from whale.engine.vllm import VLLMEngine  # lazy: torch
 
         if m.colocate and resolve_device(m.device).type != "cuda":
             raise ConfigError("model.colocate needs a CUDA GPU for the trainer and the vLLM server (sleep mode is "
@@ -40,13 +41,11 @@ def make_engine(cfg: Config) -> Engine:
                           env=m.vllm_env, max_concurrency=m.max_batch_size, max_restarts=m.vllm_max_restarts,
                           full_sync=m.vllm_full_sync, colocate=m.colocate)
     if m.backend == "openai":
-        from whale.engine.openai import OpenAIEngine
+        from whale.engine.openai import OpenAIEngine  # lazy: the HTTP stack (ssl, http), ~30 ms
 
         if not m.base_url:
             raise ConfigError("model.backend 'openai' needs model.base_url")
         return OpenAIEngine(m.base_url, m.name, api_key_env=m.api_key_env)
     if m.backend == "null":
-        from whale.engine.null import NullEngine
-
         return NullEngine(seed=cfg.seed)
     raise ConfigError(f"unknown model.backend {m.backend!r}")

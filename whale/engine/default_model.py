@@ -21,6 +21,8 @@ import time
 from importlib import metadata, util
 from pathlib import Path
 
+from rich.console import Console
+
 from whale.store import file_sha256
 from whale.errors import MissingPackage, ModelUnavailable
 
@@ -78,8 +80,6 @@ def _is_complete(folder: Path, version: str) -> bool:
 
 def _log(msg: str) -> None:
     try:
-        from rich.console import Console
-
         Console(stderr=True).print(f"[bold cyan]whale[/]: {msg}")
     except Exception:  # rich is a dependency, but a progress message must never fail a run
         print(f"whale: {msg}", file=sys.stderr)
@@ -92,8 +92,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     serializable"), so we drop `quantization_config`, build a fresh model from the config and copy
     the state dict across. bf16 halves the folder (~270 MB) and is the CPU inference dtype anyway.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: the command line imports this module, and torch only for a conversion
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as torch
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

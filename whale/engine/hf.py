@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftConfig, PeftModel
+from peft.utils import load_peft_weights, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whale.engine.adapted import AdaptedLinears
 from whale.engine.base import (Generation, GenerationRequest, Recovery, SamplingParams, error_generations, wait_all,
@@ -135,8 +138,6 @@ class HFEngine:
         prefix_cache_bytes: int = 1 << 30,
         cpu_threads: int | None = None,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if max_batch_size < 1 or max_model_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_model_len >= 2 "
                              f"(got {max_batch_size}, {max_model_len})")
@@ -324,8 +325,6 @@ class HFEngine:
         """The forward argument that takes the KV cache: `cache` in recent transformers, else the old name.
 
         Read from the transformers model itself: a peft wrapper passes it through as **kwargs."""
-        from peft import PeftModel  # heavy; only needed to see through the trainer's wrapper
-
         base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
@@ -362,9 +361,6 @@ class HFEngine:
             self.weights_version = version
 
     def _load_full(self, folder: Path) -> None:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
         new = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype)
         if not isinstance(self.model, PeftModel):
             ours, theirs = self.model.state_dict(), new.state_dict()
@@ -388,9 +384,6 @@ class HFEngine:
                 sorted(getattr(cfg, "rank_pattern", None) or {}), sorted(getattr(cfg, "alpha_pattern", None) or {}))
 
     def _load_adapter(self, folder: Path) -> None:
-        from peft import PeftConfig, PeftModel
-        from peft.utils import load_peft_weights, set_peft_model_state_dict
-
         if isinstance(self.model, PeftModel):
             active = self.model.active_adapter
             config = PeftConfig.from_pretrained(str(folder))

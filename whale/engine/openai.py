@@ -78,7 +78,7 @@ def http_json(url: str, body: dict[str, Any] | None = None, *, headers: dict[str
         except urllib.error.HTTPError as e:
             failure = HTTPFailure(e.code, _error_message(e.read()))
         except (urllib.error.URLError, OSError) as e:  # refused, reset, timeout
-            reason = getattr(e, "reason", e)
+            reason = e.reason if isinstance(e, urllib.error.URLError) else e
             failure = HTTPFailure(0, f"cannot reach {url}: {reason}")
         if attempt < retries and (failure.status == 0 or failure.status in _RETRY_STATUS):
             time.sleep(min(8.0, 0.5 * 2**attempt))
@@ -289,7 +289,7 @@ class OpenAIEngine:
     def _render(self, req: GenerationRequest) -> str:
         """The prompt text as the model sees it, from the local tokenizer's chat template."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # lazy: heavy, and only a local tokenizer_path needs it
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         prefill = is_prefill(req.messages)

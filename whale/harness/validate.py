@@ -101,7 +101,7 @@ def _check_imports(tree: ast.Module, cfg: Config) -> str | None:
 def _prompt_skeleton(tree: ast.Module) -> str:
     """ast.dump with the prompt values and the module docstring blanked out."""
     body = list(tree.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     out = []
     for node in body:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 
 class ProgressBar:
     """A rich progress bar (or nothing when label is None)."""
@@ -11,8 +13,6 @@ class ProgressBar:
         self.rewards = 0.0
         self.n = 0
         if label:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("mean reward {task.fields[mean]:.3f}"), TimeElapsedColumn(),
                                 transient=False)

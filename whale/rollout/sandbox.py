@@ -18,6 +18,7 @@ whale/rollout/fork_server.py, with the command lines and cgroups made here.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -200,8 +201,6 @@ def world_readable_stdlib() -> bool:
 
 
 def _package_dir(name: str) -> str:
-    import importlib.util
-
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
         raise ValueError(f"sandbox.extra_packages: package '{name}' is not installed")
@@ -301,7 +300,7 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 512, output_
     def pump():
         nonlocal size
         while True:
-            data = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(65536)
+            data = proc.stdout.read1(65536)  # a PIPE is buffered: read1 returns what is there
             if not data:
                 return
             if size < output_chars * 4:

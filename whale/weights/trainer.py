@@ -46,9 +46,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.pytorch_utils import Conv1D
 
 from whale.config import LoraConfig, WeightConfig
 from whale.errors import storage_error
@@ -74,8 +77,6 @@ def lora_target_modules(model: nn.Module, spec: str | list[str]) -> tuple[list[s
     Suffixes keep the adapter config conventional (q_proj, down_proj, ...); the exclusion list
     removes same-named layers of a vision tower and the output head.
     """
-    from transformers.pytorch_utils import Conv1D
-
     names = [spec] if isinstance(spec, str) and spec != "all-linear" else spec
     head = model.get_output_embeddings()
     kept, dropped = [], []
@@ -94,9 +95,6 @@ def lora_target_modules(model: nn.Module, spec: str | list[str]) -> tuple[list[s
 
 def wrap_lora(model: nn.Module, lora: LoraConfig, seed: int = 0) -> nn.Module:
     """Return a peft model around `model` (modified in place); adapter init is seeded."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
     suffixes, excluded = lora_target_modules(model, lora.target_modules)
     config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=suffixes, exclude_modules=excluded or None,
@@ -158,8 +156,6 @@ class Trainer:
         self.step = 0  # optimizer steps taken, across train_step calls and phases
         self.version: str | None = None
         self._rng = random.Random(seed)
-
-        from peft import PeftModel
 
         if cfg.finetune == "lora":
             self.model = model if isinstance(model, PeftModel) else wrap_lora(model, cfg.lora, seed)
@@ -233,8 +229,6 @@ class Trainer:
     # ------------------------------------------------------------------ model plumbing
     def _base(self) -> nn.Module:
         """The transformers causal LM inside the (possibly peft-wrapped) model."""
-        from peft import PeftModel
-
         return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
 
     def _head_split(self) -> tuple[nn.Module, nn.Linear] | None:
@@ -464,8 +458,6 @@ class Trainer:
         """Rank hook: the saved adapter or full weights (and fp32 masters) into the model."""
         device = str(self.device)
         if self.cfg.finetune == "lora":
-            from peft import set_peft_model_state_dict
-
             weights = load_file(directory / "adapter_model.safetensors", device=device)
             result = set_peft_model_state_dict(self.model, weights)
             if result.unexpected_keys:

@@ -111,7 +111,7 @@ def iter_lichess(data_path: str, options: dict[str, Any]) -> Iterator[dict[str, 
     if path.is_file():
         name = path.name
         if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # not a dependency: only .parquet files need it
 
             for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
                 yield from (_row_to_record(r) for r in batch.to_pylist())
@@ -120,7 +120,7 @@ def iter_lichess(data_path: str, options: dict[str, Any]) -> Iterator[dict[str, 
             text = io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
         elif name.endswith(".csv.zst"):
             try:
-                import zstandard
+                import zstandard  # not a dependency: only .csv.zst files need it
             except ImportError:
                 raise DataError(f"{path} is zstd-compressed; `pip install zstandard` or decompress it "
                                 "(zstd -d) first") from None
@@ -141,7 +141,7 @@ def iter_lichess(data_path: str, options: dict[str, Any]) -> Iterator[dict[str, 
         raise DataError(f"{path} is a folder; point domain.data_path at the puzzle CSV or parquet file")
     if not name_looks_like_file(data_path) and re.fullmatch(r"[\w.-]+/[\w.-]+", data_path):
         try:
-            import datasets
+            import datasets  # optional extra: hub
         except ImportError:
             raise DataError(f"'{data_path}' is not a local file, and loading it from the HF hub needs "
                             "`pip install datasets`") from None

@@ -265,14 +265,14 @@ def read_rows(data_path: str, options: dict[str, Any]) -> list[dict[str, Any]]:
                 raise DataError(f"{path}: expected a JSON list of rows")
             return data
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # not a dependency: only .parquet files need it
 
             return pq.read_table(path).to_pylist()
         raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")
     if path.suffix in (".jsonl", ".json", ".parquet", ".csv", ".gz") or not _HF_ID.fullmatch(data_path):
         raise DataError(f"domain.data_path '{data_path}' is neither a file, a folder nor an HF dataset id")
     try:
-        import datasets
+        import datasets  # optional extra: hub
     except ImportError:
         raise DataError(f"'{data_path}' is not a local path, and loading it from the HF hub needs "
                         "`pip install datasets`") from None

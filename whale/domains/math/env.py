@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from whale.domains.base import EpisodeEnv, EpisodeError, Problem
+from whale.rollout.sandbox import run_python
 
 
 class MathEnv(EpisodeEnv):
@@ -21,7 +22,4 @@ class MathEnv(EpisodeEnv):
     def python(self, code: str) -> str:
         if not isinstance(code, str):
             raise EpisodeError(f"env.python expects the code as a string, got {type(code).__name__}")
-        # Imported here so the domain loads even where the sandbox module is unavailable.
-        from whale.rollout.sandbox import run_python
-
         return run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)

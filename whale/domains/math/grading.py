@@ -20,6 +20,11 @@ import re
 import threading
 from typing import Any
 
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
+
+from whale.domains.base import Problem
+
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_SPACE = re.compile(r"\\boxed +([^\s$]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -83,8 +88,6 @@ def _normalize_text(s: str) -> str:
 
 
 def _verify(gold: str, pred: str) -> bool:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold_cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
     pred_cfg = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
@@ -99,10 +102,6 @@ def _verify(gold: str, pred: str) -> bool:
 
 def grade_answer(gold: Any, answer: Any, lenient_last_number: bool = False) -> float:
     """1.0 if the submitted text's final answer equals `gold`, else 0.0. Never raises."""
-    try:
-        from math_verify.errors import TimeoutException
-    except Exception:  # pragma: no cover - math-verify is a hard dependency
-        TimeoutException = Exception  # noqa: N806
     try:
         if answer is None or gold is None:
             return 0.0
@@ -123,6 +122,6 @@ def grade_answer(gold: Any, answer: Any, lenient_last_number: bool = False) -> f
         return 0.0
 
 
-def grade_math(problem: Any, answer: Any, lenient_last_number: bool = False) -> float:
+def grade_math(problem: Problem, answer: Any, lenient_last_number: bool = False) -> float:
     """The domain grader: module-level so it pickles into grader worker processes."""
-    return grade_answer(getattr(problem, "answer", None), answer, lenient_last_number)
+    return grade_answer(problem.answer, answer, lenient_last_number)

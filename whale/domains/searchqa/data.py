@@ -154,7 +154,7 @@ def load_searchr1(data_path: str, hf_split: str | None = None) -> list[Problem]:
             problems.extend(rows_to_problems(_read_rows(f), f.stem.split(".")[0]))
         return problems
     try:
-        import datasets
+        import datasets  # optional extra: hub
     except ImportError:
         raise DataError(f"searchqa: data_path {data_path!r} is not a local path, and loading it from the HF hub "
                         "needs `pip install datasets`") from None

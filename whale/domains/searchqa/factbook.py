@@ -23,6 +23,7 @@ import json
 import re
 import unicodedata
 from functools import lru_cache
+from importlib.resources import files
 from typing import Any
 
 from whale.domains.base import DataError, Problem
@@ -87,8 +88,6 @@ def _aliases(*names: str) -> list[str]:
 def load_entries() -> tuple[tuple[str, dict[str, Any]], ...]:
     """(code, json) for every country file, sorted by region then code; read from the package."""
     try:
-        from importlib.resources import files
-
         root = files(PACKAGE) / "data"
         regions = sorted(root.iterdir(), key=lambda p: p.name)
     except (ModuleNotFoundError, FileNotFoundError) as e:

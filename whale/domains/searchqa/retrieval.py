@@ -23,14 +23,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
 
+import bm25s
+from bm25s.stopwords import STOPWORDS_EN
+
 from whale.domains.base import DataError, EpisodeError, read_jsonl
 
 _WORD = re.compile(r"\w\w+")
 
 
 def _stopwords() -> frozenset[str]:
-    from bm25s.stopwords import STOPWORDS_EN
-
     return frozenset(STOPWORDS_EN)
 
 
@@ -61,8 +62,6 @@ class BM25Retriever:
     """bm25s over `title + text`; one index shared by all episodes (tool calls come from threads)."""
 
     def __init__(self, passages: Iterable[dict[str, str]]):
-        import bm25s
-
         self.passages = [{"title": p.get("title", ""), "text": p.get("text", "")} for p in passages]
         if not self.passages:
             raise DataError("searchqa: the BM25 corpus is empty")
@@ -146,7 +145,7 @@ def load_corpus(path: str) -> list[dict[str, str]]:
 
 def read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # not a dependency: only .parquet corpora need it
     except ImportError:
         raise DataError(f"searchqa: reading {path} needs pyarrow (pip install pyarrow)") from None
     return pq.read_table(path).to_pylist()

@@ -42,7 +42,7 @@ def completion_messages(calls: list[dict[str, Any]], final: str) -> list[dict[st
 async def score_completion(env, row: dict[str, Any], completion: list[dict[str, Any]]) -> float:
     """The environment's reward for `completion` of dataset `row`, through its own scoring calls."""
     from verifiers.types import ClientConfig  # optional extra (see loader.verifiers_module)
-    from verifiers.utils.message_utils import normalize_messages
+    from verifiers.utils.message_utils import normalize_messages  # optional extra: verifiers
 
     state = await env.init_state(dict(row), ClientConfig(), "whale")
     state["completion"] = normalize_messages(completion, field_name="completion")
