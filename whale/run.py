@@ -13,7 +13,7 @@ unit's resume logic lives with the module that does the work:
                                  |                                    | archived proposals reused      |
   harness phase end `c<c>-accept`| accepted id + next phase + pending | the pending evaluation runs    | run.py
                                  | evaluation saved together          |                                |
-  evaluation `eval-<tag>-<split>`| metrics row + state saved          | redone (pending marker kept)   | run.py
+  evaluation `eval-<tag>-<split>`| metrics row + state saved          | redone (pending marker kept)   | run_evals.py
   ledger batch                   | fsynced line in ledger.jsonl,      | a batch run again is `redone`  | store.py
                                  | before the batch's results         |                                |
 
@@ -21,6 +21,9 @@ A phase boundary is one unit: the state that ends a weight step or a harness pha
 the next phase and, as `pending_eval`, the evaluation that closes it; that evaluation runs after
 the save, and a resumed run finishes it before anything else. So a kill during a closing
 evaluation never re-enters the phase it closed (docs/design.md, section 9).
+
+"The state" is `RunState` (run_state.py), state.json typed; `RunRecord` (run_record.py) saves it
+and names the unit in progress.
 """
 
 from __future__ import annotations
