@@ -8,6 +8,7 @@ redoes only the split it cut (run.py's table of units).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -23,14 +24,13 @@ from whale.weights.versions import WeightVersions
 console = Console(stderr=True)
 
 
+@dataclass
 class RunEvals:
-    def __init__(self, cfg: Config, evaluator: Evaluator, archive: Archive, weights: WeightVersions,
-                 record: RunRecord):
-        self.cfg = cfg
-        self.evaluator = evaluator
-        self.archive = archive
-        self.weights = weights
-        self.record = record
+    cfg: Config
+    evaluator: Evaluator  # measures a harness under the weights the engine serves
+    archive: Archive  # the harnesses' sources
+    weights: WeightVersions  # restores the val-best weights; prunes after a new val-best
+    record: RunRecord  # the state, the unit, metrics rows, saves
 
     def marker(self, tag: str, last: bool = False) -> PendingEval:
         """A pending evaluation; it keeps the phase and cycle it closes for its metrics rows.

@@ -3,6 +3,7 @@ state (run.py's table of units says when each is saved)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from whale.engine.base import Engine
@@ -12,21 +13,20 @@ from whale.weights.patience import WeightPatience
 from whale.weights.rsft import ProblemStream
 
 
+@dataclass
 class RunRecord:
     """The run directory, the run's state, and the unit in progress (`unit`, e.g. `w3`,
     `c0-h2`, `eval-initial-val`), which names the metrics rows, ledger keys and in-flight
     episodes. `save` also takes in the problem stream's and weight patience's states, so every
     save holds all of the run's state."""
 
-    def __init__(self, run_dir: RunDir, state: RunState, engine: Engine, stream: ProblemStream,
-                 patience: WeightPatience):
-        self.run_dir = run_dir
-        self.state = state
-        self.engine = engine
-        self.stream = stream
-        self.patience = patience
-        self.unit = "start"
-        self._recoveries_logged = 0  # of engine.recoveries (see _log_recoveries)
+    run_dir: RunDir
+    state: RunState
+    engine: Engine
+    stream: ProblemStream
+    patience: WeightPatience
+    unit: str = "start"
+    _recoveries_logged: int = field(default=0, init=False)  # of engine.recoveries (see _log_recoveries)
 
     def save(self) -> None:
         self._log_recoveries()
