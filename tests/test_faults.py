@@ -177,7 +177,7 @@ def test_a_run_directory_deleted_mid_run_is_one_line_not_a_new_partial_directory
     save = RunDir.save_state
 
     def delete_then_save(self, state):
-        if state.get("evals_done"):  # the initial evaluation is done: someone deletes the run directory
+        if state.evals_done:  # the initial evaluation is done: someone deletes the run directory
             shutil.rmtree(self.path)
         save(self, state)
 

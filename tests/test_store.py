@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from whale.config import Config
+from whale.run_state import RunState, ValBest
 from whale.store import Ledger, RunDir, load_summary
 
 
@@ -69,7 +70,8 @@ def test_prune_never_deletes_what_the_saved_state_names(tmp_path):
     run = RunDir(tmp_path)
     for v in ("w0", "w1", "w2", "w3.tmp"):
         (run.weights_path(v)).mkdir(parents=True)
-    run.save_state({"weights_version": "w1", "val_best": {"weights_version": "w0"}})
+    run.save_state(RunState(phase="weight", weights_version="w1", val_best=ValBest(
+        mean_at_k=0.5, unit="eval-w1-val", tag="w1", harness_id="h0", weights_version="w0")))
     deleted = run.prune_weights({"w2"})  # a caller that forgot the current version and the val-best
     assert sorted(deleted) == ["w3.tmp"] and run.weights_on_disk() == ["w0", "w1", "w2"]
 
@@ -79,7 +81,7 @@ def test_summary_reads_metrics_and_state(tmp_path):
     for tag, split, value in [("initial", "val", 0.2), ("initial", "test", 0.1), ("w2", "val", 0.5),
                               ("w2", "test", 0.3), ("w4", "val", 0.4), ("w4", "test", 0.6)]:
         run.log({"unit": f"eval-{tag}-{split}", "event": "eval", "tag": tag, "split": split, "mean_at_k": value})
-    run.save_state({"harness_id": "h2", "weights_version": "w3"})
+    run.save_state(RunState(phase="done", harness_id="h2", weights_version="w3"))
     s = load_summary(tmp_path)
     assert (s["initial"], s["final"], s["best"], s["val_selected"], s["val_selected_tag"]) == (0.1, 0.6, 0.6, 0.3, "w2")
     assert json.loads((tmp_path / "state.json").read_text())["harness_id"] == s["harness_id"] == "h2"

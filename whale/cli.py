@@ -134,7 +134,7 @@ def _weights_folder(spec: Optional[str], run: Optional[str]) -> Optional[str]:
         return str(Path(run, "weights", spec))
     if not Path(spec).is_dir():
         _fail(f"weights folder not found: {spec}" + (f" (nor {run}/weights/{spec}; a run keeps only some versions "
-                                                       "on disk, see weights_on_disk in its state.json)" if run else ""))
+                                                       "on disk: those in its weights/ folder)" if run else ""))
     return spec
 
 

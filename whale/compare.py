@@ -63,14 +63,15 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path = "compare", refere
     unfinished = []
     for d in map(Path, run_dirs):
         rows, state, cfg = load_run(d)
-        if not state.get("finished"):
+        finished = state is not None and state.finished
+        if not finished:
             unfinished.append(d)
             if not partial:
                 continue
         s = load_summary(d)
         by_method[_method(cfg)].append({"dir": d, "rows": rows, "summary": s, "cfg": cfg,
                                         "per_problem": _final_test_per_problem(rows),
-                                        "finished": bool(state.get("finished"))})
+                                        "finished": finished})
     if not by_method:
         raise ConfigError(f"none of the {len(unfinished)} runs has finished ({', '.join(map(str, unfinished))}); "
                           "--partial compares them as they stand")

@@ -38,8 +38,9 @@ from whale.domains import SPLITS, load_domain  # noqa: E402
 from whale.engine.default_model import resolve_model_path  # noqa: E402
 from whale.evaluate import Evaluator, bootstrap_ci  # noqa: E402
 from whale.harness.archive import Archive  # noqa: E402
-from whale.store import (Ledger, append_line, atomic_write, fingerprint_problems, read_metrics,  # noqa: E402
-                         version_step)
+from whale.run_state import RunState  # noqa: E402
+from whale.store import (Ledger, append_line, fingerprint_problems, read_metrics, read_state,  # noqa: E402
+                         version_step, write_state)
 
 BASE = "base"
 
@@ -68,7 +69,7 @@ class RunInfo:
 
     path: Path
     cfg: Config
-    state: dict[str, Any]
+    state: RunState
     rows: list[dict[str, Any]]
     harnesses: list[str]  # accepted harness ids in order, h0 first
     weights: list[str]  # weights versions kept on disk, in training order (base not included)
@@ -81,11 +82,12 @@ def read_run(path: str | Path) -> RunInfo:
         if not (path / name).is_file():
             raise ConfigError(f"{path} is not a run directory (no {name})")
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()) or {})
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
+    assert state is not None  # state.json exists, checked above
     rows = read_metrics(path)
     accepted = [r["accepted"] for r in rows if r.get("event") == "harness_accepted"]
     harnesses = []
-    for hid in ["h0", *accepted, state.get("harness_id") or "h0"]:
+    for hid in ["h0", *accepted, state.harness_id]:
         if hid not in harnesses:
             harnesses.append(hid)
     trained = sorted({r["weights_version"] for r in rows if r.get("event") == "weight_step"
@@ -96,7 +98,7 @@ def read_run(path: str | Path) -> RunInfo:
 
 
 def _same_base_model(a: RunInfo, b: RunInfo) -> bool:
-    fa, fb = a.state.get("model_fingerprint") or {}, b.state.get("model_fingerprint") or {}
+    fa, fb = a.state.model_fingerprint, b.state.model_fingerprint
     if fa and fb:
         return fa == fb
     return a.cfg.model.name == b.cfg.model.name
@@ -131,8 +133,8 @@ class Matrix:
     def __init__(self, run_dir: str | Path, split: str = "test", k: int | None = None,
                  others: list[str | Path] = ()):
         self.main = read_run(run_dir)
-        if self.main.state.get("phase") != "done":
-            raise ConfigError(f"{self.main.path} has not finished (phase {self.main.state.get('phase')!r}); "
+        if self.main.state.phase != "done":
+            raise ConfigError(f"{self.main.path} has not finished (phase {self.main.state.phase!r}); "
                               "finish it with `whale run --resume` before building its matrix")
         self.others = [read_run(o) for o in others]
         self.cfg = self.main.cfg
@@ -147,7 +149,7 @@ class Matrix:
         self.cells_path = self.out / "cells.jsonl"
         self.domain = load_domain(self.cfg)
         self.splits = splits = self.domain.load_splits()
-        saved = (self.main.state.get("data_fingerprints") or {}).get(split)
+        saved = self.main.state.data_fingerprints.get(split)
         if saved and fingerprint_problems({split: splits[split]})[split] != saved:
             raise ConfigError(f"the {split} split differs from the one {self.main.path} was run on "
                               "(data files or loaders changed)")
@@ -190,20 +192,20 @@ class Matrix:
     def _count(self, row: dict[str, Any]) -> None:
         """Add a computed cell's rollouts to the run's ledger (as `eval`), keyed by the cell, so a
         cell is counted once however often the matrix is rerun (ledger.jsonl is the record)."""
-        path = self.main.path / "state.json"
-        state = json.loads(path.read_text())
-        ledger = Ledger.load(self.main.path / "ledger.jsonl", state.get("ledger"))
+        state = read_state(self.main.path)
+        assert state is not None  # a finished run's
+        ledger = Ledger.load(self.main.path / "ledger.jsonl", state.ledger)
         key = f"matrix:{self.split}/{self.k}/{row['harness']}/{row['weights']}"
         if key in ledger.keys:
             return
         ledger.count(key, "eval", row["rollouts"], llm_calls=row["llm_calls"], prompt_tokens=row["prompt_tokens"],
                      completion_tokens=row["completion_tokens"])
-        state["ledger"] = ledger.snapshot()
-        atomic_write(path, json.dumps(state, indent=1, default=str))
+        state.ledger = ledger.snapshot()
+        write_state(self.main.path, state)
         append_line(self.main.path / "metrics.jsonl",
                     {"unit": key, "event": "matrix_eval", "split": self.split, "harness": row["harness"],
                      "weights_version": row["weights"], "mean_at_k": row["mean_at_k"], "rollouts": row["rollouts"],
-                     "ledger": state["ledger"]})
+                     "ledger": state.ledger})
 
     def _harness_source(self, h: HarnessRef) -> str:
         return Archive(h.run_dir).source(h.harness_id)
@@ -246,8 +248,8 @@ class Matrix:
 
     def decomposition(self) -> dict[str, Any]:
         """Harness alone, weights alone and their interaction for the final pair, with paired CIs."""
-        h0, hf = "h0", self.main.state.get("harness_id") or "h0"
-        wf = self.main.state.get("weights_version") or BASE
+        h0, hf = "h0", self.main.state.harness_id
+        wf = self.main.state.weights_version
         if wf != BASE and wf not in self.main.weights:
             wf = self.main.weights[-1] if self.main.weights else BASE
         parts = decompose(self.cell(h0, BASE)["per_problem"], self.cell(hf, BASE)["per_problem"],

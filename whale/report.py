@@ -11,7 +11,6 @@ the test curve, i.e. selected on test), "val-selected" is the honest one.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,15 @@ from whale import plots
 from whale.config import ConfigError
 from whale.plots import x_value  # noqa: F401  (compare.py reads it from here)
 from whale.report_html import event_note, fmt_p, write_html  # noqa: F401  (fmt_p: read from here too)
-from whale.store import BUDGET_PURPOSES, load_summary, read_jsonl_rows, read_metrics
+from whale.run_state import RunState
+from whale.store import BUDGET_PURPOSES, load_summary, read_jsonl_rows, read_metrics, read_state
 
-def load_run(run_dir: Path) -> tuple[list[dict], dict, dict]:
+def load_run(run_dir: Path) -> tuple[list[dict], RunState | None, dict]:
+    """The run's metrics rows, its state (None before its first save) and its config as a dict."""
     if not (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"{run_dir} has no metrics.jsonl (not a run directory, or the run has not started)")
     rows = read_metrics(run_dir)
-    state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {}
+    state = read_state(run_dir)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     return rows, state, cfg
 
@@ -170,11 +171,11 @@ def provenance_line(prov: dict[str, Any]) -> str:
             + ("; ".join(prov["accepted"]) or "none (the incoming harness was kept)"))
 
 
-def report_sections(run_dir: Path, rows: list[dict], state: dict, cfg: dict) -> dict[str, list[str]]:
+def report_sections(run_dir: Path, rows: list[dict], state: RunState | None, cfg: dict) -> dict[str, list[str]]:
     """report.md, section by section (markdown lines); report.html renders the same sections."""
     name = cfg.get("name", run_dir.name)
     s = load_summary(run_dir)
-    led = state.get("ledger", {})
+    led = state.ledger if state else {}
     sched = cfg.get("schedule", {})
     dom = cfg.get("domain", {})
     prov = provenance_line(search_provenance(cfg, rows))
@@ -185,8 +186,8 @@ def report_sections(run_dir: Path, rows: list[dict], state: dict, cfg: dict) -> 
         f"schedule: **{sched.get('kind')}**{' (adaptive)' if sched.get('adaptive') else ''}, seed {cfg.get('seed')}, "
         f"grader: **{dom.get('grader')}**",
         *([f"- harness search: {prov}"] if prov else []),
-        f"- status: {state.get('phase')}, wall time {state.get('elapsed_s', 0):.0f} s" + (
-            "" if state.get("finished") else f" (**unfinished**: 'final' below is its latest evaluation; "
+        f"- status: {state.phase if state else None}, wall time {state.elapsed_s if state else 0:.0f} s" + (
+            "" if state and state.finished else f" (**unfinished**: 'final' below is its latest evaluation; "
             f"`whale run --resume {run_dir}` continues it)"),
         *[f"- engine server recovered in {r['unit']}: {r['reason']}{'' if r.get('ok') else ' (failed)'}"
           for r in rows if r.get("event") == "engine_recovered"], "",

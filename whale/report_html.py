@@ -27,6 +27,7 @@ from markupsafe import Markup
 
 from whale import plots
 from whale.harness.archive import Archive, ArchiveIntegrityError, id_number
+from whale.run_state import RunState
 from whale.store import read_jsonl_rows
 
 EPISODES_PER_GROUP = 2
@@ -217,7 +218,7 @@ def matrix_image(run_dir: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- page
-def write_html(run_dir: Path, rows: list[dict], state: dict, cfg: dict, sections: dict[str, list[str]],
+def write_html(run_dir: Path, rows: list[dict], state: RunState | None, cfg: dict, sections: dict[str, list[str]],
                figs: dict[str, Any]) -> Path:
     svgs = {stem: Markup(plots.to_svg(fig)) for stem, fig in figs.items()}
     ledger = read_jsonl_rows(run_dir / "ledger.jsonl")
@@ -225,7 +226,8 @@ def write_html(run_dir: Path, rows: list[dict], state: dict, cfg: dict, sections
     calls, usage_keys, usage_totals = proposer_rounds(rows)
     env_path = run_dir / "environment.json"
     page = environment().get_template("report.html.j2").render(
-        name=cfg.get("name", run_dir.name), run_dir=str(run_dir), cfg=cfg, state=state,
+        name=cfg.get("name", run_dir.name), run_dir=str(run_dir), cfg=cfg, finished=bool(state and state.finished),
+        ledger=state.ledger if state else {},
         environment=json.loads(env_path.read_text()) if env_path.is_file() else {},
         md={k: markdown(_without_title(k, v)) for k, v in sections.items()}, svgs=svgs, spans=spans,
         titles=SECTION_TITLES,

@@ -71,12 +71,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict
+
 from whale.config import Config
 
 
 @dataclass
 class Progress:
-    """What the schedule looks at: counters the run keeps in state.json."""
+    """What the schedule looks at: counters the run keeps in state.json (`RunState.progress`)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # state.json's progress: an unknown key is an error
 
     weight_steps: int = 0  # total weight steps done
     phase_steps: int = 0  # weight steps in the current weight phase

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from whale.config import Config, ConfigError, dump_config, load_config
-from whale.errors import DamagedFile, StorageError, raise_naming
+from whale.errors import StorageError, raise_naming
+from whale.run_state import RunState
 from whale.tracking import Trackers, check_trackers
 
 # Purposes that count against the paper-style rollout budget, and those only recorded.
@@ -213,7 +214,8 @@ class RunDir:
         return run
 
     @classmethod
-    def open(cls, path: str | Path) -> tuple["RunDir", Config, dict[str, Any]]:
+    def open(cls, path: str | Path) -> tuple["RunDir", Config, RunState | None]:
+        """The run directory at `path`, its config, and its state (None if killed before its first save)."""
         run = cls(path)
         cfg_path = run.path / "config.yaml"
         if not cfg_path.exists():
@@ -223,8 +225,8 @@ class RunDir:
         except ConfigError as e:
             raise ConfigError(f"{cfg_path} (the run's config): {e}") from None
         state = run.load_state()
-        run.ledger = Ledger.load(run.path / "ledger.jsonl", state.get("ledger"))
-        run.elapsed_before = float(state.get("elapsed_s", 0.0))
+        run.ledger = Ledger.load(run.path / "ledger.jsonl", state.ledger if state else None)
+        run.elapsed_before = state.elapsed_s if state else 0.0
         check_trackers(cfg.logging)
         run.trackers = Trackers.open(cfg, run.path)
         lost = run.count_inflight()
@@ -242,18 +244,18 @@ class RunDir:
                               "start a new run (--out) instead of resuming")
 
     # ---------------------------------------------------------------- state
-    def load_state(self) -> dict[str, Any]:
+    def load_state(self) -> RunState | None:
         return read_state(self.path)
 
-    def save_state(self, state: dict[str, Any]) -> None:
+    def save_state(self, state: RunState) -> None:
+        """Stamp `state` with the ledger's snapshot, the elapsed time and the clock, and write it."""
         if not self.path.is_dir():  # else atomic_write would make a new run directory holding only state.json
             raise StorageError(f"the run directory {self.path} vanished while the run wrote to it: it was moved or "
                                "deleted; put it back")
-        state = dict(state)
-        state["ledger"] = self.ledger.snapshot()
-        state["elapsed_s"] = round(self.elapsed(), 2)
-        state["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        atomic_write(self.path / "state.json", json.dumps(state, indent=1, default=str))
+        state.ledger = self.ledger.snapshot()
+        state.elapsed_s = round(self.elapsed(), 2)
+        state.updated = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_state(self.path, state)
 
     def elapsed(self) -> float:
         return self.elapsed_before + time.time() - self.t0
@@ -315,7 +317,8 @@ class RunDir:
         never a version the saved state.json names (current or val-best): the caller saves the
         state naming a new version first, so a kill at any point here leaves a loadable run."""
         saved = self.load_state()
-        keep = set(keep) | {saved.get("weights_version"), (saved.get("val_best") or {}).get("weights_version")}
+        if saved is not None:
+            keep = set(keep) | {saved.weights_version} | ({saved.val_best.weights_version} if saved.val_best else set())
         root = self.path / "weights"
         doomed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in keep] if root.exists() else []
         if doomed:
@@ -325,22 +328,15 @@ class RunDir:
         return [d.name for d in doomed]
 
 
-def read_state(run_dir: str | Path) -> dict[str, Any]:
-    """The run's state.json ({} before the first save); a DamagedFile error if it is not the JSON
-    object WHALE writes (it replaces the file atomically, so another program or a copy broke it)."""
+def read_state(run_dir: str | Path) -> RunState | None:
+    """The run's state.json (None before the first save); a DamagedFile error if it is not the state
+    WHALE writes (it replaces the file atomically, so another program or a copy broke it)."""
     p = Path(run_dir) / "state.json"
-    if not p.exists():
-        return {}
-    try:
-        state = json.loads(p.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        state = e
-    if not isinstance(state, dict):
-        why = f"not JSON: {state}" if isinstance(state, Exception) else f"a JSON {type(state).__name__}, not an object"
-        raise DamagedFile(f"{p} is damaged ({why}); WHALE writes it atomically, so another program or a copy "
-                          f"broke it: put back the file from a copy of the run directory, or start a new run "
-                          f"(--out)")
-    return state
+    return RunState.parse(p.read_bytes(), str(p)) if p.exists() else None
+
+
+def write_state(run_dir: str | Path, state: RunState) -> None:
+    atomic_write(Path(run_dir) / "state.json", state.to_json())
 
 
 def version_step(version: str) -> int | None:
@@ -381,9 +377,9 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
         out["val_selected"] = same[-1]["mean_at_k"] if same else None
         out["val_selected_tag"] = best_val.get("tag")
     state = read_state(run_dir)
-    out["ledger"] = state.get("ledger", {})
-    out["seconds"] = state.get("elapsed_s")
-    out["harness_id"], out["weights_version"] = state.get("harness_id"), state.get("weights_version")
+    out["ledger"] = state.ledger if state else {}
+    out["seconds"] = state.elapsed_s if state else None
+    out["harness_id"], out["weights_version"] = (state.harness_id, state.weights_version) if state else (None, None)
     return out
 
 
