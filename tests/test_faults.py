@@ -188,6 +188,24 @@ def test_a_run_directory_deleted_mid_run_is_one_line_not_a_new_partial_directory
     assert not (out / "state.json").exists()
 
 
+def test_a_run_directory_in_use_is_refused_and_left_as_it_was(tiny_model_dir, tmp_path):
+    """A resume started while the run still goes (another process holds run.lock) is one line naming
+    that process, and writes nothing; once the run lets go, the directory opens again."""
+    out = tmp_path / "run"
+    running = RunDir.create(out, tiny_config(tiny_model_dir, **SHORT))  # holds the lock, as a live run does
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    line = the_error_line(whale("run", "--resume", out))
+    assert line.startswith(f"error: {out} is in use by another whale process (pid {os.getpid()}): wait for it to "
+                           "end or stop it, then resume"), line
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "error.log"} == before
+    line = the_error_line(whale("run", config_file(tmp_path, tiny_model_dir), "--out", out))
+    assert "already holds a run" in line or "in use by another whale process" in line, line
+    running.close()
+    again, _, state = RunDir.open(out)  # the lock is free again
+    assert state is None
+    again.close()
+
+
 # --------------------------------------------------------------------------- damaged run directory
 
 

@@ -60,6 +60,10 @@ class WorkerFailed(WhaleError, RuntimeError):
     """Rollout workers (Ray actors) that died or could not start."""
 
 
+class RunDirBusy(WhaleError):
+    """Another process holds the run directory (a run or a resume of it is still going)."""
+
+
 class StorageError(WhaleError):
     """The disk refused a write: full, read-only, no permission, or the folder vanished."""
 

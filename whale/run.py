@@ -65,6 +65,7 @@ def run_experiment(cfg: Config | None, out: str | Path | None = None, resume: st
         cfg = saved_cfg
         if state is not None and state.finished:
             console.print(f"{run.path} is already finished")
+            run.close()
             return run.path
         check_proposer(cfg)
     else:

@@ -15,6 +15,7 @@ Resume rests on four rules:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from whale.config import Config, ConfigError, dump_config, load_config
-from whale.errors import StorageError, raise_naming
+from whale.errors import RunDirBusy, StorageError, raise_naming
 from whale.run_state import RunState
 from whale.tracking import Trackers, check_trackers
 
@@ -199,6 +200,34 @@ class RunDir:
         self.t0 = time.time()
         self.elapsed_before = 0.0
         self.trackers = Trackers({})  # logging.trackers, opened by create/open
+        self._lock_file: Any = None  # run.lock, held from create/open to close (closed with this object)
+
+    def _lock(self) -> None:
+        """One process per run directory: an exclusive lock on run.lock, held until `close` (or the
+        process's end: the kernel drops it, so a killed run leaves nothing to clean up). Two
+        processes writing one run directory (a resume started while the run still goes) would
+        interleave their units and corrupt it; the second is refused instead, naming the first."""
+        path = self.path / "run.lock"
+        try:
+            f = open(path, "a+")  # not inherited by the processes a run starts (PEP 446)
+        except OSError:
+            if not path.exists():
+                raise
+            f = open(path)  # a read-only run directory: lock it anyway; the run's first write says what is wrong
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read(32).strip()
+            f.close()
+            raise RunDirBusy(f"{self.path} is in use by another whale process" + (f" (pid {holder})" if holder else "")
+                             + ": wait for it to end or stop it, then resume; two processes writing one run "
+                               "directory would corrupt it") from None
+        if f.writable():
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+        self._lock_file = f
 
     # ---------------------------------------------------------------- creation / resume
     @classmethod
@@ -208,6 +237,10 @@ class RunDir:
             raise ConfigError(f"{run.path} already holds a run; use `whale run --resume {run.path}` or another --out")
         check_trackers(cfg.logging)
         run.path.mkdir(parents=True, exist_ok=True)
+        run._lock()
+        if (run.path / "state.json").exists():  # another process started a run here since the first look
+            run.close()
+            raise ConfigError(f"{run.path} already holds a run; use `whale run --resume {run.path}` or another --out")
         atomic_write(run.path / "config.yaml", dump_config(cfg))
         atomic_write(run.path / "environment.json", json.dumps(environment_record(cfg), indent=1))
         run.trackers = Trackers.open(cfg, run.path)
@@ -224,6 +257,7 @@ class RunDir:
             cfg = load_config(cfg_path)
         except ConfigError as e:
             raise ConfigError(f"{cfg_path} (the run's config): {e}") from None
+        run._lock()
         state = run.load_state()
         run.ledger = Ledger.load(run.path / "ledger.jsonl", state.ledger if state else None)
         run.elapsed_before = state.elapsed_s if state else 0.0
@@ -281,8 +315,11 @@ class RunDir:
         kill_point(f"{row.get('event')}@{row.get('unit')}")
 
     def close(self) -> None:
-        """Flush and close the trackers (the files of the run directory need no closing)."""
+        """Flush and close the trackers and let go of the run directory (the files need no closing)."""
         self.trackers.close()
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the lock
+            self._lock_file = None
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
