@@ -25,9 +25,11 @@ evaluation never re-enters the phase it closed (docs/design.md, section 9).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from whale.config import Config, ConfigError
@@ -40,12 +42,16 @@ from whale.harness.archive import Archive
 from whale.harness.loop import HarnessSearch
 from whale.harness.proposers import make_proposer
 from whale.harness.validate import static_check
-from whale.store import RunDir, fingerprint_model, fingerprint_problems, load_summary, read_metrics
+from whale.engine.hf import HFEngine
+from whale.store import RunDir, append_line, fingerprint_model, fingerprint_problems, load_summary, read_metrics
 from whale.weights.patience import WeightPatience
 from whale.weights.distributed import TrainGroup
 from whale.weights.rsft import RSFT, ProblemStream
 from whale.weights.from_disk import training_model
 from whale.weights.trainer import Trainer
+from whale.sysmem import descendants, heap_stats, peak_rss_kb, process_memory
+
+MEMORY_LOG = os.environ.get("WHALE_MEMORY_LOG") == "1"  # memory.jsonl: see Experiment._log_memory
 
 __all__ = ["Experiment", "load_summary", "run_experiment"]  # load_summary moved to store.py; kept here for callers
 
@@ -227,6 +233,32 @@ class Experiment:
                           "cycle": self.state["cycle"], "step": self.progress.weight_steps,
                           "harness": self.state["harness_id"], "weights_version": self.state["weights_version"],
                           **row})
+        if MEMORY_LOG:
+            self._log_memory(event)
+
+    def _log_memory(self, event: str) -> None:
+        """A row of where resident memory is, in memory.jsonl (WHALE_MEMORY_LOG=1; docs/performance.md):
+        this process (PSS, anonymous, peak RSS since the last row, glibc's heap, threads), what the
+        hf engine holds, the trainer's optimizer state, and the child processes' PSS by name."""
+        mib = 1 << 20
+        row: dict[str, Any] = {"event": event, "unit": self.unit, "t": round(self.run_dir.elapsed(), 1),
+                               **{k: v // 1024 for k, v in process_memory().items()},
+                               "peak_rss": peak_rss_kb(reset=True) // 1024, **heap_stats(),
+                               "threads": len(os.listdir("/proc/self/task"))}
+        if isinstance(self.engine, HFEngine):
+            row.update({k: v // mib for k, v in self.engine.memory_bytes().items()})
+        if isinstance(self.trainer, Trainer):
+            row["optimizer"] = sum(t.nbytes for st in self.trainer.optimizer.state.values()
+                                   for t in st.values() if isinstance(t, torch.Tensor)) // mib
+        children: dict[str, int] = {}
+        for pid in descendants():
+            try:
+                name = open(f"/proc/{pid}/comm").read().strip()
+            except OSError:
+                continue
+            children[name] = children.get(name, 0) + process_memory(pid).get("pss", 0) // 1024
+        row["children_pss"] = children
+        append_line(self.run_dir.path / "memory.jsonl", row)
 
     def harness_source(self, cid: str) -> str:
         return self.archive.source(cid)
