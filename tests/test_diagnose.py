@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from whale.config import Config
@@ -14,6 +15,7 @@ from whale.domains.searchqa.domain import SearchQADomain
 from whale.domains.searchqa.hints import key_terms
 from whale.harness.diagnose import diagnose, episode_modes
 from whale.harness.proposal import ProposalContext
+from whale.rollout.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 SEARCHQA_H0 = (ROOT / "whale" / "domains" / "searchqa" / "h0.py").read_text()
@@ -196,3 +198,28 @@ def test_under_trained_weights_layout_preserving_fixes_go_first(tmp_path):
     keeps = {label for label, m in by_label().items() if m.keeps_layout}
     assert trained_first <= RELATION_KEEPS_LAYOUT <= keeps and len(trained_first) >= 2
     assert base_first - keeps, base_first  # without the rule a layout change is drawn first
+
+
+def test_at_equal_relevance_code_mechanisms_go_before_prompt_rewrites(tmp_path):
+    """Chess, a parent that already draws its move from the legal moves and answers wrongly every
+    time: four mechanisms address wrong answers equally (a vote, annotated moves, a tactics
+    reminder, a system prompt). For every seed the two slots go to the code mechanisms, not to
+    the prompt text (never accepted in our runs; see MutationProposer.propose)."""
+    cfg = Config()
+    cfg.domain.name = "chess"
+    chess = ChessDomain(cfg)
+    by_name = {m.name: m for m in M.mutations_for(chess, cfg)}
+    choosing = M.apply_mutation(by_name["constrained_choice"], chess.base_harness(), "h0", random.Random(0))
+    wrong = [{"problem_id": f"p{i}", "sample": 0, "harness_id": "h0", "question": "Chess puzzle. Position (FEN): ...",
+              "answer": "e2e4", "reward": 0.0, "calls": [{"messages": [], "completion": "e2e4", "finish_reason": "stop"}],
+              "tool_calls": [{"name": "move", "args": ["e2e4"], "kwargs": {}, "result": {"ok": True}, "error": None}]}
+             for i in range(8)]
+    picked = set()
+    for seed in range(6):
+        archive = Archive(tmp_path / str(seed))
+        archive.add_candidate(choosing, None, "base")
+        archive.record_scores("h0", "base", [Trajectory.from_json(r) for r in wrong])
+        ctx = ProposalContext(iteration=2, weights_version="base", incoming_id="h0")
+        got = M.MutationProposer(seed=seed, cfg=cfg).propose(archive, chess, 2, tmp_path / "ws", ctx)
+        picked.update(p.mechanism for p in got)
+    assert picked == {"majority_vote", "hint: annotate_moves"}, picked

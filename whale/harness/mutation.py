@@ -209,8 +209,14 @@ class MutationProposer:
         most relevant first, except that under trained weights one that changes the layout of the
         model's context goes after every layout-preserving one (`Mutation.keeps_layout`), and within
         each group one already shown in this run not to beat its parent goes after those not shown to
-        fail; then untried-under-these-weights first, seeded ties; mechanisms that address no
-        diagnosed mode come last (library coverage). See `Mutation.fixes`."""
+        fail; then untried-under-these-weights first, then code before prompt text, seeded ties;
+        mechanisms that address no diagnosed mode come last (library coverage). See `Mutation.fixes`.
+
+        Code before prompt text, at equal relevance: a rewrite of the prompts was never accepted in
+        our runs (search QA prompt-only, five seeds: no rewrite accepted on any; the general-search
+        runs accepted only code mechanisms), while the chess search that ended empty had drawn two
+        prompt rewrites and a vote over annotating the moves, which with the constrained choice it
+        had already tried scores 0.367 on val (docs/results/cmp_chess/README.md)."""
         self.last_error, self.last_usage = None, {}
         version = context.weights_version
         rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
@@ -241,7 +247,7 @@ class MutationProposer:
             diag, muts = diagnoses[parent]
             order = sorted(muts, key=lambda m: (relevance(m, diag) <= 0, trained and not m.keeps_layout,
                                                 m.label in lost, -round(relevance(m, diag), 9),
-                                                m.label in tried, rng.random()))
+                                                m.label in tried, m.prompt_only, rng.random()))
             for mutation in order:
                 new = apply_mutation(mutation, archive.source(parent), parent, rng)
                 if new is None:
