@@ -1,6 +1,6 @@
 """The `Domain` protocol: data splits, the episode environment, the verifier and the base harness.
 
-A domain keeps three things apart (research/domains.md §5): serialisable `Problem`s with their
+A domain keeps three things apart (docs/design.md, 4.3): serialisable `Problem`s with their
 gold answers, the episode environment whose tools the harness may call, and a pure `grade`
 function that the parent runs after the episode. The harness never sees `Problem.answer`.
 

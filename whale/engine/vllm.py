@@ -13,7 +13,7 @@ Every request goes through endpoints that give exact ids, so rows are trainable 
    strings and EOS stay in the ids as sampled; the text has neither (same as the hf backend).
    Sample i of a request is its own completion with `seed + i`, so it does not depend on `n` or on
    batch-mates (vLLM seeds per request).
-3. `choices` (DESIGN §4) are scored at sequence level from next-token log-probs over the trie of
+3. `choices` (docs/design.md, 4.1) are scored at sequence level from next-token log-probs over the trie of
    the choices' canonical ids (whale/engine/vllm_scoring.py); a choice is drawn from
    softmax(log p / T) with a generator seeded from the request seed.
 

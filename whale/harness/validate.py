@@ -1,7 +1,7 @@
 """Candidate validation: cheap static checks first, then a smoke run in the sandbox.
 
 Evaluating a candidate costs one rollout per harness-split problem, so everything that can be
-decided from the file alone is decided first (size, syntax, the contract of DESIGN §4, imports,
+decided from the file alone is decided first (size, syntax, the harness contract (docs/design.md, 4.1), imports,
 the prompt-only rule, leaked harness-split literals). Only then does a short smoke run catch what
 only execution shows (a NameError in `run`, a crash on import of an allowed module). The sandbox
 enforces the real limits; these checks exist to fail fast with a readable reason, which goes
@@ -67,7 +67,7 @@ def _check_contract(tree: ast.Module) -> str | None:
 def check_prompt_constants(tree: ast.Module) -> str | None:
     """Prompt-only search edits SYSTEM_PROMPT and USER_PROMPT, so there both must be string literals.
 
-    Everywhere else a harness needs only `run(env, llm)` (DESIGN §4): the constants are a
+    Everywhere else a harness needs only `run(env, llm)` (docs/design.md, 4.1): the constants are a
     convention h0 follows, not part of the contract.
     """
     consts = _module_string_constants(tree)

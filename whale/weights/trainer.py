@@ -31,7 +31,7 @@ masters; the same rule would cover it if it did. Cost: 4 bytes per low-precision
 parameter for the master, and Adam's two moments in fp32 instead of bf16 (+4), i.e. full bf16
 fine-tuning holds 14 instead of 6 bytes per parameter besides activations.
 
-LoRA (our deviation from the paper's full fine-tuning, recorded in research/stack.md §2): all
+LoRA (our default where the paper fine-tunes fully; `weight.finetune: full` is the paper's): all
 linear layers of the language model, never the lm_head, never a vision tower, no `modules_to_save`,
 so the adapter stays a plain PEFT folder that vLLM can load at runtime.
 """

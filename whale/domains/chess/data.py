@@ -6,7 +6,7 @@ move, the solver then plays moves[1], moves[3], ... and the opponent answers wit
 Slices (domain.options.slice): "mateIn1" only mate-in-1; "easy" (offline default) mate-in-1
 first, then mate-in-2, then other puzzles rated <= easy_rating (1200) — taken in that order until
 the splits are full, so the default sizes are all mate-in-1, the only tactic a 135M model shows
-any skill at (research/offline-assets.md §8); "all" every puzzle. `max_rating`, `min_rating`,
+any skill at (docs/domains.md); "all" every puzzle. `max_rating`, `min_rating`,
 `themes` (any-of) and `max_plies` (solution plies, default 9 as in the paper) filter further.
 
 Splits are disjoint by position, deterministic from the seed, and dealt test first. A position

@@ -1,6 +1,6 @@
 """Math problems: a seeded generator of easy arithmetic, 100 vendored GSM8K originals, real loaders.
 
-Why a generator: SmolLM2-135M solves GSM8K ≈0% of the time (research/offline-assets.md §5, §8),
+Why a generator: SmolLM2-135M solves GSM8K ≈0% of the time (docs/domains.md),
 so RSFT on GSM8K alone would accept nothing. Arithmetic a small model can sometimes get right,
 especially with a Python tool, gives the weight phase a signal. GSM8K stays in the mix (default 5%)
 so per-source breakdowns show the harder task too.

