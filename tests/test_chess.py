@@ -2,6 +2,7 @@
 
 import gzip
 import pickle
+import random
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +17,8 @@ from whale.domains.chess import data as chess_data
 from whale.domains.chess.env import ChessEnv
 from whale.domains.chess.grading import grade_chess
 from whale.engine.base import QueuedSubmit
+from whale.harness.mutation import apply_mutation, mutations_for
+from whale.harness.validate import static_check
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chess"
 # Real Lichess puzzles (CC0) used by name below.
@@ -420,3 +423,33 @@ def test_h0_through_the_runner_solves_mate_in_one():
     assert [t.error for t in trajs] == [None] * 4
     assert [t.reward for t in trajs] == [1.0] * 4
     assert all(t.source == "mateIn1" and len(t.answer.split()) == 1 for t in trajs)
+
+
+@pytest.mark.parametrize("order", [("constrained_choice", "annotate_moves"), ("annotate_moves", "constrained_choice"),
+                                   ("constrained_choice", "legal_move_list")])
+def test_move_lists_reach_the_constrained_draw_in_either_order(order):
+    """The legal-move context (annotated or plain) and the constrained choice compose whichever
+    is applied first: the call that draws the move among the legal moves sees the list. (Applied
+    after the choice, the list used to be left out of exactly that call.)"""
+    cfg = make_cfg()
+    domain = ChessDomain(cfg)
+    by_name = {m.name: m for m in mutations_for(domain, cfg)}
+    source = domain.base_harness()
+    for i, name in enumerate(order):
+        source = apply_mutation(by_name[name], source, f"h{i}", random.Random(0))
+        assert source is not None and static_check(source, cfg) is None
+    ns = {}
+    exec(compile(source, "harness.py", "exec"), ns)
+    env, drawn = ChessEnv(MATE1), []
+
+    def llm(messages, **kw):
+        if kw.get("choices"):
+            drawn.append(next(m["content"] for m in reversed(messages) if m["role"] == "user"))
+            return "d6h2" if "d6h2" in kw["choices"] else kw["choices"][0]
+        return "<move>a1a1</move>"
+
+    ns["run"](EnvProxy(env), llm)
+    assert drawn and "Legal moves: " in drawn[0], drawn
+    if "annotate_moves" in order:
+        assert "d6h2 (mate" in drawn[0], drawn[0]
+    assert env.solved

@@ -5,7 +5,7 @@ LEGAL_MOVE_LIST = r'''
 def run(env, llm):
     def llm_with_moves(messages, **kw):
         legal = [] if env.done else list(env.legal_moves or [])
-        if legal and not kw.get("choices"):
+        if legal:  # also when the move is drawn with choices: the list is context for that draw too
             messages = _mut_add_to_user(messages, "Legal moves: " + " ".join(legal))
         return llm(messages, **kw)
 
@@ -158,7 +158,7 @@ def _am_annotate(fen, legal):
 def run(env, llm):
     def llm_with_annotations(messages, **kw):
         legal = [] if env.done else list(env.legal_moves or [])
-        if legal and not kw.get("choices"):
+        if legal:  # also when the move is drawn with choices (constrained_choice applied first or last)
             messages = _mut_add_to_user(messages, "Legal moves: " + ", ".join(_am_annotate(env.fen, legal)))
         return llm(messages, **kw)
 
