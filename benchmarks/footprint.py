@@ -69,6 +69,21 @@ def memory_kb(pid: int) -> tuple[int, int]:
     return pss, rss
 
 
+def process_name(pid: int) -> str:
+    """What a process of the tree is: a grader (a spawned multiprocessing child), the sandbox (fork
+    server and episodes), else its command name."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    if "multiprocessing" in cmd:
+        return "grader"
+    if "sandbox_worker" in cmd or comm == "bwrap":
+        return "sandbox"
+    return comm
+
+
 def test_scores(run_dir: Path) -> tuple[float | None, float | None]:
     """The run's first and last test mean@k, from its metrics rows."""
     scores = []
@@ -91,10 +106,19 @@ def measure(code_root: Path, args: list[str], run_dir: Path, interval: float = 1
     proc = subprocess.Popen(argv, cwd=code_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     peak_pss = peak_rss = 0
+    at_peak: dict[str, int] = {}
+    timeline = []
     while proc.poll() is None:
         pids = tree(proc.pid)
         sizes = [memory_kb(p) for p in pids]
-        peak_pss = max(peak_pss, sum(s[0] for s in sizes))
+        pss = sum(s[0] for s in sizes)
+        timeline.append((round(time.perf_counter() - start, 1), pss // 1024))
+        if pss > peak_pss:
+            at_peak = {}
+            for p, size in zip(pids, sizes):
+                name = "main" if p == proc.pid else process_name(p)
+                at_peak[name] = at_peak.get(name, 0) + size[0] // 1024
+        peak_pss = max(peak_pss, pss)
         peak_rss = max(peak_rss, sum(s[1] for s in sizes))
         time.sleep(interval)
     wall = time.perf_counter() - start
@@ -104,7 +128,8 @@ def measure(code_root: Path, args: list[str], run_dir: Path, interval: float = 1
                          f"{proc.stderr.read()[-2000:] if proc.stderr else ''}")
     first, last = test_scores(run_dir)
     return {"wall_s": wall, "children_cpu_s": times.children_user + times.children_system,
-            "peak_pss_mib": peak_pss / 1024, "peak_rss_mib": peak_rss / 1024, "test_first": first, "test_last": last}
+            "peak_pss_mib": peak_pss / 1024, "peak_rss_mib": peak_rss / 1024, "test_first": first, "test_last": last,
+            "peak_pss_by_process_mib": at_peak, "pss_timeline_mib": timeline}
 
 
 def checkout(commit: str) -> Path:

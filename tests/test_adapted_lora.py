@@ -138,3 +138,19 @@ def test_the_walks_find_what_modules_finds():
     lora_type = adapted.lora_linear_type()
     assert adapted._lora_layers(model, lora_type) and (
         {id(m) for m in adapted._lora_layers(model, lora_type)} == {id(m) for m in everything if type(m) is lora_type})
+
+
+def test_float32_layers_add_the_update_without_a_joined_copy():
+    model = _adapted_model().float()
+    layer = _layers(model)[0]
+    adapted_linears = AdaptedLinears(torch.float32, None)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        peft_out = layer(x)
+        with adapted_linears.installed(model):
+            out = layer(x)
+    exact = _float64(layer, x)
+    assert ((out.double() - exact).abs().max() / exact.abs().max()) < 1e-5
+    assert (out - peft_out).abs().max() < 1e-4
+    base_bytes = layer.base_layer.weight.nbytes
+    assert adapted_linears.nbytes < base_bytes / 10  # s B only, not a second W

@@ -474,3 +474,22 @@ def test_prompts_alike_by_a_few_tokens_do_not_wait_a_round(tiny_model_dir, plain
     eng.close()
     assert counts == {"prefill_forwards": 1}
     assert [g[0].completion_ids for g in got] == [ids(plain, messages=m, seed=7 + i)[0] for i, m in enumerate(newcomers)]
+
+
+def test_kv_bound_limits_the_rows_in_flight_and_keeps_the_samples(tiny_model_dir, plain):
+    prompts = [[{"role": "user", "content": f"Name a city in country number {i}."}] for i in range(6)]
+    reference = [ids(plain, messages=m, seed=i, max_tokens=12) for i, m in enumerate(prompts)]
+    probe = make(tiny_model_dir, max_batch_size=8)
+    try:
+        width = max(len(probe._prompt_ids(m)) for m in prompts) + 12
+        bound = 2 * width * probe.kv_token_bytes  # two of these rows at a time
+    finally:
+        probe.close()
+    eng = make(tiny_model_dir, max_batch_size=8, prefix_cache_bytes=0, kv_cache_bytes=bound)
+    try:
+        out = eng.generate([GenerationRequest(m, seed=i, max_tokens=12) for i, m in enumerate(prompts)], SAMPLE)
+        assert [[g.completion_ids for g in gens] for gens in out] == reference
+        assert eng.stats["max_live_rows"] == 2
+        wait_for(lambda: eng.scheduler.slab.storage_bytes <= bound)  # idle: the clear keeps what fits
+    finally:
+        eng.close()

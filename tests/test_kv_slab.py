@@ -95,3 +95,24 @@ def test_new_storage_stops_once_both_buffers_reach_the_largest_slab():
     assert made[1] > made[0]  # the second batch needed the second buffer at the largest size
     assert made[-1] == made[1]  # and none after it, though each batch's last growth differed
     assert len(slab.buffers) == 2
+
+
+def test_a_bounded_slab_grows_only_to_what_is_asked_and_keeps_at_most_its_bound():
+    col_bytes = 2 * 2 * 2 * 8 * 4  # layers x (keys, values) x heads x dim x float32
+    bound = 10 * 64 * col_bytes
+    shapes = {}
+    for name, slab in (("bounded", KVSlab(2, torch.device("cpu"), max_bytes=bound)),
+                       ("unbounded", KVSlab(2, torch.device("cpu")))):
+        slab.layer(0, torch.zeros(1, 2, 1, 8))
+        slab.reserve(8, 40)
+        slab.data[:, :, 7, :, :40] = 1.0
+        slab.reserve(9, 40)  # by half: 12 rows, past the bound
+        shapes[name] = tuple(slab.data.shape)
+        if name == "bounded":
+            assert slab.nbytes <= bound and float(slab.data[1, 1, 7, 1, 39, 7]) == 1.0  # copied over
+            assert slab.storage_bytes > bound  # while in use: the slab and the buffer it grew from
+            slab.clear()
+            assert 0 < slab.storage_bytes <= bound  # between batches: only what fits the bound
+            slab.reserve(30, 200)  # a single ask past the bound still gets its room
+            assert slab.data.shape[2] == 30 and slab.data.shape[4] == 256
+    assert shapes == {"bounded": (2, 2, 9, 2, 64, 8), "unbounded": (2, 2, 12, 2, 64, 8)}

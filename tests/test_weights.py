@@ -412,10 +412,13 @@ class FakeEngine:
     weight_sync = "in_place"
 
     def __init__(self):
-        self.model, self.weights_version, self.loads = None, "base", []
+        self.model, self.weights_version, self.loads, self.frees = None, "base", [], 0
 
     def serve_model(self, model):
         self.model = model
+
+    def free_caches(self):
+        self.frees += 1
 
     def load_weights(self, path, version):
         self.loads.append((path, version))

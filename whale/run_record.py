@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from whale.engine.base import Engine
+from whale.memory_probe import MemoryProbe
 from whale.run_state import RunState
 from whale.store import RunDir
 from whale.weights.patience import WeightPatience
@@ -26,6 +27,7 @@ class RunRecord:
     stream: ProblemStream
     patience: WeightPatience
     unit: str = "start"
+    probe: MemoryProbe | None = None  # WHALE_MEMORY_LOG=1: a memory.jsonl row per event
     _recoveries_logged: int = field(default=0, init=False)  # of engine.recoveries (see _log_recoveries)
 
     def save(self) -> None:
@@ -44,6 +46,8 @@ class RunRecord:
         self.run_dir.log({"unit": self.unit, "event": event, "phase": st.phase, "cycle": st.cycle,
                           "step": st.progress.weight_steps, "harness": st.harness_id,
                           "weights_version": st.weights_version, **row})
+        if self.probe is not None:
+            self.probe.log(event, self.unit, self.run_dir.elapsed())
 
     def _log_recoveries(self) -> None:
         """An `engine_recovered` row per server recovery since the last unit (Engine.recoveries):

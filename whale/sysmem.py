@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,3 +35,77 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.lru_cache(maxsize=1)
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+    fn.argtypes, fn.restype = [], _MallInfo2
+    return fn
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """Resident memory of one process in kB from /proc (Linux): Rss, Pss, Anonymous, Pss_Anon;
+    empty where /proc has none."""
+    out: dict[str, int] = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss", "Anonymous", "Pss_Anon"):
+                out[key.lower()] = int(rest.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def peak_rss_kb(reset: bool = False) -> int:
+    """This process's peak resident memory (VmHWM, kB) since it started or since the last reset;
+    `reset` starts a new interval (Linux: /proc/self/clear_refs). 0 where /proc has none."""
+    peak = 0
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1])
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+    except OSError:
+        pass
+    return peak
+
+
+def descendants(pid: int | str = "self") -> list[int]:
+    """Every live descendant of `pid`, from the kernel's per-thread child lists."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.scandir(f"/proc/{p}/task"):
+                with open(os.path.join(task.path, "children")) as f:
+                    kids = [int(c) for c in f.read().split()]
+                out.extend(kids)
+                todo.extend(kids)
+        except OSError:
+            continue
+    return out
+
+
+def heap_stats() -> dict[str, int]:
+    """glibc's heap in MiB (mallinfo2): `heap_mib` the arenas' system bytes (main + thread arenas),
+    `heap_free_mib` what they hold free, `mmap_mib` the large blocks mapped on their own; empty
+    elsewhere. Free heap bytes are resident until trimmed (`release_free_memory`)."""
+    fn = _mallinfo2()
+    if fn is None:
+        return {}
+    info = fn()
+    mib = 1 << 20
+    return {"heap_mib": info.arena // mib, "heap_free_mib": info.fordblks // mib, "mmap_mib": info.hblkhd // mib}

@@ -34,7 +34,12 @@ peft's layers and arithmetic.
 The joined weights [W | s B] and their packs are rebuilt when W, A, B or s change (after each
 optimizer step, a loaded adapter): their keys are storages and autograd version counters, as for
 the packs (1.0 s for SmolLM2-135M's 210 layers, most of it packing). Memory: about one more copy
-of the adapted weights and its pack while an adapter is active. A layer that does not qualify
+of the adapted weights and its pack while an adapter is active. float32 (a CPU without fast bf16): no joined copy. There are no casts to save, and a joined [W | s B]
+would double the adapted weights (432 MiB for SmolLM2-135M, a sixth of `whale demo`'s peak memory
+on such a CPU, 2026-12-07); the layer runs y = x W^T, then y += (x A^T) (s B)^T as one in-place
+GEMM (`addmm_`), on the parameters themselves (nothing copied but s B).
+
+A layer that does not qualify
 (its weights off the CPU included), a forward with gradients on, or an input of another dtype runs
 peft's own forward.
 """
@@ -107,6 +112,16 @@ class AdaptedLinears:
         self._joined: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRA module -> _Joined
         self.builds = 0  # joined weights made (an adapter's first use, and again after each change)
 
+    def clear(self) -> None:
+        """Drop every joined weight (and so its pack); each is made again at its layer's next use."""
+        self._joined = weakref.WeakKeyDictionary()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the joined weights and their rank-r copies hold (their packs are the packs' own)."""
+        return sum(e.up_t.nbytes if e.joined is None else e.joined.weight.nbytes + e.down.nbytes + e.wide_down.nbytes
+                   for e in list(self._joined.values()))
+
     def _joined_of(self, module: Any) -> _Joined | None:
         """The module's joined weights, made now if its weights changed; None where it is not a plain
         LoRA layer on this CPU engine's dtype."""
@@ -127,6 +142,11 @@ class AdaptedLinears:
 
     def forward(self, entry: "_Joined", x: torch.Tensor) -> torch.Tensor:
         """[x | x A^T] [W | s B]^T for a forward on this engine's CPU, gradients off, in its dtype."""
+        if entry.joined is None:  # float32: the base GEMM, then the update added inside a second one
+            y = torch.nn.functional.linear(x, entry.base)
+            a = torch.nn.functional.linear(x, entry.down)
+            y.view(-1, y.shape[-1]).addmm_(a.view(-1, a.shape[-1]), entry.up_t)
+            return y
         narrow = x.numel() <= MAX_ROWS * x.shape[-1]  # decode widths: the packs take it
         if narrow:  # float32 (oneDNN's bf16 call costs ~18 us even at 1 row)
             a = torch.nn.functional.linear(x.float(), entry.down)
@@ -163,11 +183,17 @@ class _Joined:
     forward in the engine: `AdaptedLinears.forward`, or peft's own for a call that is not one of
     the engine's (gradients on, another dtype, extra arguments). Holds the module weakly."""
 
-    __slots__ = ("adapted", "module", "key", "dtype", "down", "wide_down", "joined", "joined_pack")
+    __slots__ = ("adapted", "module", "key", "dtype", "down", "wide_down", "joined", "joined_pack", "base", "up_t")
 
     def __init__(self, adapted: AdaptedLinears, module: Any, key: tuple, w: torch.Tensor, a: torch.Tensor,
                  b: torch.Tensor, scaling: float):
         self.adapted, self.module, self.key, self.dtype = adapted, weakref.ref(module), key, w.dtype
+        if w.dtype == torch.float32:  # no joined copy of W (module docstring, "float32"): W and A as they are
+            self.base, self.down, self.wide_down = w, a, a
+            self.up_t = (b * scaling).t().contiguous()  # [r, out]
+            self.joined = self.joined_pack = None
+            return
+        self.base = self.up_t = None
         self.down = a.to(torch.float32, copy=True)  # decode widths: x -> a in float32
         self.wide_down = a.to(w.dtype, copy=True)  # wider forwards: x -> a in the base dtype
         self.joined = _frozen_linear(torch.cat([w, (b.float() * scaling).to(w.dtype)], dim=1))  # [W | s B]

@@ -168,6 +168,11 @@ class InProcessEngine(Engine, Protocol):
 
     def serve_model(self, model: Any) -> None: ...
 
+    def free_caches(self) -> None:
+        """Before a training step: drop what the weight change will invalidate anyway (prefix cache,
+        weights derived from the parameters), so the step's activations do not stack on them."""
+        ...
+
 
 def weights_kind(folder: Path) -> str:
     """'adapter' for a PEFT adapter folder, 'full' for a model folder; a clear error otherwise.

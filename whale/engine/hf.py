@@ -49,6 +49,7 @@ from whale.engine.packed import available as packs_available
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 from whale.errors import EngineStartError
+from whale.sysmem import release_free_memory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,8 +119,10 @@ def engine_cpu_threads(requested: int | None) -> int:
 class HFEngine:
     """The `Engine` protocol on a transformers causal LM (optionally with a PEFT adapter).
 
-    `max_batch_size` caps the live decode rows; `prefix_cache_bytes` bounds the KV kept from
-    finished sequences for reuse (0 turns that cache off; rows in flight are always shared).
+    `max_batch_size` caps the live decode rows; `kv_cache_bytes` bounds their KV storage (rows join
+    while rows x longest row fit; None: no bound but the rows; engine/kv.py); `prefix_cache_bytes`
+    bounds the KV kept from finished sequences for reuse (0 turns that cache off; rows in flight
+    are always shared).
     Full-attention decoder models only (Llama, Qwen2/3, SmolLM, ...): the scheduler builds the
     attention mask itself, which a sliding-window layer would not respect.
     """
@@ -136,6 +139,7 @@ class HFEngine:
         max_batch_size: int = 64,
         max_model_len: int = 4096,
         prefix_cache_bytes: int = 1 << 30,
+        kv_cache_bytes: int | None = None,
         cpu_threads: int | None = None,
     ):
         if max_batch_size < 1 or max_model_len < 2:
@@ -173,12 +177,23 @@ class HFEngine:
         self._adapter_count = 0  # names of adapters loaded beside another one
         # the fast tokenizer is one Rust object shared by callers' threads and the engine thread
         self._tok_lock = threading.Lock()
-        self.scheduler = Scheduler(self, prefix_cache_bytes)
+        self.kv_token_bytes = _kv_token_bytes(self.model.config, self.dtype)
+        self.scheduler = Scheduler(self, prefix_cache_bytes, kv_cache_bytes)
 
     @property
     def stats(self) -> dict[str, float]:
         """Counters since start: prefill tokens requested / computed / padded, decode steps, seconds."""
         return self.scheduler.stats
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds besides the model's own weights, in bytes: the KV slab's storage (the
+        idle slab's kept buffers included), the prefix cache, the bf16 packs and the joined LoRA
+        weights (engine/kv.py, packed.py, adapted.py); and the model's parameters."""
+        sched = self.scheduler
+        return {"model": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                "kv_slab": sched.slab.storage_bytes, "prefix_cache": sched.prefix.bytes,
+                "packs": self.packed_linears.nbytes if self.packed_linears is not None else 0,
+                "joined_lora": self.adapted_linears.nbytes if self.adapted_linears is not None else 0}
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -405,6 +420,18 @@ class HFEngine:
             self.model = PeftModel.from_pretrained(self.model, str(folder), is_trainable=True)
         self.model.to(self.device).eval()
 
+    def free_caches(self) -> None:
+        """Drop what the next weight change invalidates anyway, so a training step does not hold it
+        beside its activations: the prefix cache, the bf16 packs and the joined LoRA weights (each
+        about one more copy of the model's Linear weights; rebuilt at their next use, as after any
+        optimizer step). The KV slab's kept storage stays (bounded by `kv_cache_bytes`)."""
+        with self.scheduler.paused():  # clears the prefix cache on the way out
+            if self.adapted_linears is not None:
+                self.adapted_linears.clear()
+            if self.packed_linears is not None:
+                self.packed_linears.clear()
+        release_free_memory()
+
     def serve_model(self, model) -> None:
         """Serve `model` from now on: the trainer's (possibly peft-wrapped) version of self.model."""
         with self.scheduler.paused():
@@ -420,6 +447,14 @@ class HFEngine:
         self.scheduler.close()
         self.model = None  # type: ignore[assignment]
         self._free_cuda()
+
+
+def _kv_token_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds over all layers (the slab's per-token cost)."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers * 2 * heads * dim * dtype.itemsize
 
 
 def _check_full_attention(config) -> None:

@@ -38,6 +38,13 @@ allocator reuses blocks without faults) a clear frees the storage as before. `fr
 `fresh_seconds` count the new storage and the time its zeroing took (the page faults: 2-3 ms per
 MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
 so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
+
+Bound (`max_bytes`, the hf engine's `model.kv_cache_bytes`): a growth never makes the slab larger
+than `max_bytes` unless the rows and columns asked for need more (the scheduler admits rows so
+that they do not, engine/scheduler.py), and a clear keeps only as many buffers as fit in it. So the
+slab holds at most `max_bytes` between batches and twice it while it grows (the old slab and the
+one it is copied into). Measured on `whale demo` (float32, 2026-12-07): unbounded, the kept
+buffers reached 2.1 GiB, 40% of the run's peak memory (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -62,8 +69,10 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class KVSlab:
     """Keys and values of the sequences in flight; allocated on the first write, grown on demand."""
 
-    def __init__(self, n_layers: int, device: torch.device, keep_storage: bool | None = None):
+    def __init__(self, n_layers: int, device: torch.device, keep_storage: bool | None = None,
+                 max_bytes: int | None = None):
         self.n_layers = n_layers
+        self.max_bytes = max_bytes  # None: unbounded (module docstring, "Bound")
         self.device = device
         self.keep_storage = device.type == "cpu" if keep_storage is None else keep_storage
         self.buffers: list[torch.Tensor] = []  # flat storage the slab's views are cut from (module docstring)
@@ -90,6 +99,13 @@ class KVSlab:
         self.data, self.rows, self.cols = None, 0, 0
         if not self.keep_storage:
             self.buffers = []
+        elif self.max_bytes is not None:  # keep the largest buffers that fit the bound together
+            kept, total = [], 0
+            for b in sorted(self.buffers, key=lambda b: -b.numel() * b.element_size()):
+                if total + b.numel() * b.element_size() <= self.max_bytes:
+                    kept.append(b)
+                    total += b.numel() * b.element_size()
+            self.buffers = kept
 
     def release(self) -> None:
         """Empty the slab and free its storage, kept buffers included."""
@@ -104,6 +120,14 @@ class KVSlab:
         new_rows = self.rows if rows <= self.rows else max(rows, self.rows + self.rows // 2, 4)
         new_cols = self.cols if cols <= self.cols else max(cols, self.cols + self.cols // 2)
         new_cols = -(-new_cols // 64) * 64
+        if self.max_bytes is not None and self.kind is not None:
+            # growing by half past the bound: grow only to what is asked (columns stay whole 64s)
+            heads, dim, dtype = self.kind
+            col_bytes = self.n_layers * 2 * heads * dim * dtype.itemsize
+            if new_rows * new_cols * col_bytes > self.max_bytes:
+                new_rows = max(rows, self.rows)
+            if new_rows * new_cols * col_bytes > self.max_bytes:
+                new_cols = max(-(-cols // 64) * 64, self.cols)
         old = self.data
         self.rows, self.cols = new_rows, new_cols
         if self.kind is not None:
@@ -136,6 +160,8 @@ class KVSlab:
             self.buffers = [b for b in self.buffers if b is not smallest]
             del free, smallest  # freed before the new one is zeroed: never three buffers at once
         largest = max((b.numel() for b in self.buffers if b.dtype == dtype), default=0)
+        if self.max_bytes is not None:
+            largest = min(largest, self.max_bytes // dtype.itemsize)
         buffer = self._zeros(max(numel, largest), dtype)
         self.buffers.append(buffer)
         return buffer

@@ -96,6 +96,11 @@ class PackedLinears:
         self.packed_weights = 0  # packs made (a weight's first use, and again after each change)
         self.plain_weights = 0  # weights whose pack would not give the plain bits, kept plain
 
+    def clear(self) -> None:
+        """Drop every pack; each weight is packed again at its next use."""
+        with self._lock:
+            self._packs = weakref.WeakKeyDictionary()
+
     @property
     def nbytes(self) -> int:
         """Memory the packs hold, counted as their weights' bytes."""

@@ -76,6 +76,7 @@ class SchedulerHost(ModelHost, Protocol):
     `Generation` its caller gets (the tokenizer is the engine's)."""
 
     max_batch_size: int
+    kv_token_bytes: int  # the KV one token takes over all layers
     vocab_size: int
     cpu_threads: int | None
 
@@ -95,9 +96,11 @@ def _new_stats() -> dict[str, float]:
 class Scheduler:
     """Continuous batching over `host.model`; see the module docstring."""
 
-    def __init__(self, host: SchedulerHost, prefix_cache_bytes: int):
+    def __init__(self, host: SchedulerHost, prefix_cache_bytes: int, kv_cache_bytes: int | None = None):
         self.host = host
-        self.slab = KVSlab(host.model.config.get_text_config().num_hidden_layers, host.device)
+        self.kv_cache_bytes = kv_cache_bytes  # None: rows are bounded by max_batch_size alone
+        self.slab = KVSlab(host.model.config.get_text_config().num_hidden_layers, host.device,
+                           max_bytes=kv_cache_bytes)
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.rows: list[Seq] = []  # live sequences; rows[i] is in slab row i
         self.waiting: list[Seq] = []
@@ -265,13 +268,23 @@ class Scheduler:
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
         admitted: list[Seq] = []
         later: list[Seq] = []
+        # the KV bound: rows x their longest prompt + completion stay within kv_cache_bytes (one row always runs)
+        width = max((len(s.prompt) + s.job.max_new for s in self.rows), default=0)
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)
             if not self._due(seq.job):
                 later.append(seq)
-            elif start_job(seq.job):
+                continue
+            need = max(width, len(seq.prompt) + seq.job.max_new)
+            rows = len(self.rows) + len(admitted) + 1
+            if (self.kv_cache_bytes is not None and rows > 1
+                    and rows * need * self.host.kv_token_bytes > self.kv_cache_bytes):
+                self.waiting.insert(0, seq)  # waits for rows to leave, first in line
+                break
+            if start_job(seq.job):
                 admitted.append(seq)
                 free -= 1
+                width = need
         self.waiting = later + self.waiting
         choice_jobs = [job for job in self.waiting_choices if self._due(job) and start_job(job)]
         self.waiting_choices = [job for job in self.waiting_choices if not self._due(job) and not job.done]

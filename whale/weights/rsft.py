@@ -186,6 +186,8 @@ class RSFT:
 
         if self.colocated:  # one GPU: the server gives its memory to the trainer for the step
             self.engine.sleep()
+        elif self.engine.weight_sync == "in_place" and self.trainer.in_process:  # the trainer steps on the served model
+            self.engine.free_caches()
         try:
             stats = self.trainer.train_step(rows)
         finally:
