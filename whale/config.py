@@ -38,14 +38,14 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(4096, ge=2, description="prompt + completion tokens one sequence may hold")
     max_batch_size: int = Field(64, ge=1, description="hf: most sequences generated together (64: "
                                 "benchmarks/decode_width.py); vllm: requests in flight")
-    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, le=1 << 40, description="hf: bound on the KV storage of the "
-                                "sequences in flight: they join the batch while rows x the longest prompt + "
-                                "completion fit (one always runs), and at most this much stays kept between "
-                                "batches; growing, the slab and its copy hold up to twice it (engine/kv.py). 1 GiB: "
-                                "23k tokens of SmolLM2-135M in float32, 46k in bf16")
-    prefix_cache_bytes: int = Field(1 << 30, ge=0, le=1 << 40, description="hf: KV of finished sequences kept "
-                                    "for later prompts that extend them (an episode's next call, the samples of a "
-                                    "problem); least recently used dropped first; 0: off")
+    kv_cache_mib: int = Field(1024, ge=1, le=999_999, description="hf: bound on the KV storage (MiB) of the "
+                              "sequences in flight: they join the batch while rows x the longest prompt + "
+                              "completion fit (one always runs), and at most this much stays kept between "
+                              "batches; growing, the slab and its copy hold up to twice it (engine/kv.py). 1024: "
+                              "23k tokens of SmolLM2-135M in float32, 46k in bf16")
+    prefix_cache_mib: int = Field(1024, ge=0, le=999_999, description="hf: KV (MiB) of finished sequences kept "
+                                  "for later prompts that extend them (an episode's next call, the samples of a "
+                                  "problem); least recently used dropped first; 0: off")
     cpu_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
                                     "forwards; empty: OMP_NUM_THREADS if set, else the usable cores but one (the "
                                     "runner, tools and sandboxes run on the rest; docs/design.md)")

@@ -39,7 +39,7 @@ allocator reuses blocks without faults) a clear frees the storage as before. `fr
 MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
 so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
 
-Bound (`max_bytes`, the hf engine's `model.kv_cache_bytes`): a growth never makes the slab larger
+Bound (`max_bytes`, the hf engine's `model.kv_cache_mib`): a growth never makes the slab larger
 than `max_bytes` unless the rows and columns asked for need more (the scheduler admits rows so
 that they do not, engine/scheduler.py), and a clear keeps only as many buffers as fit in it. So the
 slab holds at most `max_bytes` between batches and twice it while it grows (the old slab and the
