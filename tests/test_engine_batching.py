@@ -481,7 +481,7 @@ def test_kv_bound_limits_the_rows_in_flight_and_keeps_the_samples(tiny_model_dir
     reference = [ids(plain, messages=m, seed=i, max_tokens=12) for i, m in enumerate(prompts)]
     probe = make(tiny_model_dir, max_batch_size=8)
     try:
-        width = max(len(probe._prompt_ids(m)) for m in prompts) + 12
+        width = max(scheduler._slab_cols(len(probe._prompt_ids(m)) + 12) for m in prompts)
         bound = 2 * width * probe.kv_token_bytes  # two of these rows at a time
     finally:
         probe.close()

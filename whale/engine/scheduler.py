@@ -69,6 +69,11 @@ CHOICE_LOGITS_BYTES = 1 << 28  # cap on the fp32 logits of one scoring forward (
 IDLE_EXIT_S = 30.0  # the engine thread ends after this long without work; the next submit restarts it
 
 
+def _slab_cols(tokens: int) -> int:
+    """The slab columns `tokens` take: the slab grows in whole 64s (engine/kv.py)."""
+    return -(-(tokens + 1) // 64) * 64
+
+
 class SchedulerHost(ModelHost, Protocol):
     """What the scheduler needs of the engine that owns it (engine/hf.py's HFEngine), beyond its
     forwards' `ModelHost`: the batch's width, the vocabulary (a scoring forward's logits), the
@@ -268,14 +273,15 @@ class Scheduler:
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
         admitted: list[Seq] = []
         later: list[Seq] = []
-        # the KV bound: rows x their longest prompt + completion stay within kv_cache_bytes (one row always runs)
-        width = max((len(s.prompt) + s.job.max_new for s in self.rows), default=0)
+        # the KV bound: rows x their longest prompt + completion, in the slab's columns (whole 64s), stay
+        # within kv_cache_bytes (one row always runs)
+        width = max((_slab_cols(len(s.prompt) + s.job.max_new) for s in self.rows), default=0)
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)
             if not self._due(seq.job):
                 later.append(seq)
                 continue
-            need = max(width, len(seq.prompt) + seq.job.max_new)
+            need = max(width, _slab_cols(len(seq.prompt) + seq.job.max_new))
             rows = len(self.rows) + len(admitted) + 1
             if (self.kv_cache_bytes is not None and rows > 1
                     and rows * need * self.host.kv_token_bytes > self.kv_cache_bytes):
