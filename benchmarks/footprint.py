@@ -37,10 +37,36 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from workloads import ratio_interval  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
-from whale.sysmem import descendants, process_memory  # noqa: E402
-
 CLI = "import sys; from whale.cli import app; sys.argv[0] = 'whale'; app()"
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and every live descendant, from the kernel's per-thread child lists (cheap: no scan of
+    /proc, so sampling costs the measured run little)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.scandir(f"/proc/{p}/task"):
+                todo.extend(int(c) for c in Path(task.path, "children").read_text().split())
+        except OSError:
+            continue
+    return out
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of one process in kB; zeros once it is gone."""
+    pss = rss = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss = int(line.split()[1])
+    except OSError:
+        pass
+    return pss, rss
 
 
 def process_name(pid: int) -> str:
@@ -83,17 +109,17 @@ def measure(code_root: Path, args: list[str], run_dir: Path, interval: float = 1
     at_peak: dict[str, int] = {}
     timeline = []
     while proc.poll() is None:
-        pids = [proc.pid, *descendants(proc.pid)]
-        sizes = [process_memory(p) for p in pids]
-        pss = sum(s.get("pss", 0) for s in sizes)
+        pids = tree(proc.pid)
+        sizes = [memory_kb(p) for p in pids]
+        pss = sum(s[0] for s in sizes)
         timeline.append((round(time.perf_counter() - start, 1), pss // 1024))
         if pss > peak_pss:
             at_peak = {}
             for p, size in zip(pids, sizes):
                 name = "main" if p == proc.pid else process_name(p)
-                at_peak[name] = at_peak.get(name, 0) + size.get("pss", 0) // 1024
+                at_peak[name] = at_peak.get(name, 0) + size[0] // 1024
         peak_pss = max(peak_pss, pss)
-        peak_rss = max(peak_rss, sum(s.get("rss", 0) for s in sizes))
+        peak_rss = max(peak_rss, sum(s[1] for s in sizes))
         time.sleep(interval)
     wall = time.perf_counter() - start
     times = os.times()  # Popen reaped the child: its CPU and its reaped descendants' are in children_*
