@@ -273,9 +273,9 @@ class Scheduler:
             self.waiting_choices.sort(key=lambda j: -1 if j.order is None else j.order)
         admitted: list[Seq] = []
         later: list[Seq] = []
-        # the KV bound: rows x their longest prompt + completion, in the slab's columns (whole 64s), stay
-        # within kv_cache_bytes (one row always runs)
-        width = max((_slab_cols(len(s.prompt) + s.job.max_new) for s in self.rows), default=0)
+        # the KV bound: rows x their longest prompt + completion, in the slab's columns (whole 64s; the
+        # slab keeps the width it grew to until it is cleared), stay within kv_cache_bytes (one row always runs)
+        width = max([self.slab.cols] + [_slab_cols(len(s.prompt) + s.job.max_new) for s in self.rows])
         while self.waiting and free > 0:
             seq = self.waiting.pop(0)
             if not self._due(seq.job):
