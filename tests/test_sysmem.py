@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from whale import sysmem
 from whale.sysmem import release_free_memory
 
 # In a fresh process: freeing a 16 MB tensor raises glibc's mmap threshold, so the 3 MB tensors
@@ -29,3 +30,37 @@ def test_freed_heap_memory_goes_back_to_the_os():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
     before, after = map(int, out.split())
     assert before - after > 600, (before, after)  # ~900 MB of freed tensors were still resident
+
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@linux
+def test_process_memory_and_peak_see_a_large_allocation():
+    before = sysmem.process_memory()
+    assert before["pss"] > 0 and before["rss"] >= before["pss"] // 2
+    sysmem.peak_rss_kb(reset=True)
+    block = bytearray(64 << 20)  # 64 MiB, touched
+    block[::4096] = b"x" * len(block[::4096])
+    assert sysmem.peak_rss_kb() >= sysmem.process_memory()["rss"] >= before["rss"] + (48 << 10)
+    del block
+    heap = sysmem.heap_stats()
+    assert set(heap) <= {"heap_mib", "heap_free_mib", "mmap_mib"}
+
+
+@linux
+def test_descendants_lists_a_child_and_its_child():
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"])
+    try:
+        for _ in range(200):
+            found = sysmem.descendants()
+            if len(found) >= 2:
+                break
+            subprocess.run(["sleep", "0.05"])
+        assert proc.pid in found and len(found) >= 2
+    finally:
+        for pid in sysmem.descendants(proc.pid):
+            subprocess.run(["kill", str(pid)])
+        proc.kill()
+        proc.wait()
