@@ -10,19 +10,31 @@ drawn, by any task or split, is skipped, so the splits are disjoint by content.
 The whole generator entry (question, answer, metadata) rides in `Problem.meta["entry"]`: it is
 what the task's own `score_answer` needs, and it stays in the parent (the harness sees only the
 question).
+
+Why the splits are dealt in a child interpreter: not every generator is reproducible across
+interpreter starts. ransom_note draws letters with `rng.choice(list(a_set))`, and a set's order
+follows Python's string hash seed, which is random per process unless PYTHONHASHSEED is set; so a
+resumed run, a later `whale eval` and the other methods of a comparison each got other problems
+(found 2026-12-07: a resume refused its own run, "the data splits differ"). `make_splits` deals in
+a child started with PYTHONHASHSEED=0 unless this interpreter already runs with it.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import os
+import pickle
 import random
+import subprocess
+import sys
 from typing import Any
 
 from whale.domains.base import SPLITS, Problem
 from whale.domains.math.data import allocate, normalize_question
 
 DEAL_ORDER = ("test", "val", "harness", "weight")
+HASH_SEED = "0"  # PYTHONHASHSEED of the interpreter that deals (module docstring)
 STREAM_SIZE = 1_000_000  # the virtual dataset size; items are generated on demand, by index
 MAX_SKIPS = 20  # a stream that yields this many duplicates per wanted item is exhausted
 
@@ -74,7 +86,24 @@ def _problem(task: str, index: int, entry: dict[str, Any], config: dict[str, Any
 
 def make_splits(tasks: dict[str, float], configs: dict[str, dict[str, Any]], sizes: dict[str, int],
                 seed: int) -> dict[str, list[Problem]]:
-    """Four disjoint splits with the same task mixture, dealt test first (module docstring)."""
+    """Four disjoint splits with the same task mixture, dealt test first, the same in every process
+    (module docstring: a child interpreter with a fixed hash seed deals them)."""
+    if os.environ.get("PYTHONHASHSEED") == HASH_SEED:
+        return deal(tasks, configs, sizes, seed)
+    args = pickle.dumps((tasks, configs, sizes, seed))
+    done = subprocess.run([sys.executable, "-m", "whale.domains.reasoning_gym.data"], input=args,
+                          capture_output=True, env={**os.environ, "PYTHONHASHSEED": HASH_SEED})
+    message = done.stderr.decode(errors="replace").strip()
+    if done.returncode == 2:  # the child's TaskError, its message alone
+        raise TaskError(message)
+    if done.returncode != 0:
+        raise TaskError(f"reasoning_gym: dealing the splits failed (exit {done.returncode}): {message[-2000:]}")
+    return pickle.loads(done.stdout)
+
+
+def deal(tasks: dict[str, float], configs: dict[str, dict[str, Any]], sizes: dict[str, int],
+         seed: int) -> dict[str, list[Problem]]:
+    """`make_splits` in this interpreter, whatever its hash seed."""
     streams = {t: make_dataset(t, configs.get(t, {}), seed=task_seed(seed, t)) for t in tasks}
     cursor = {t: 0 for t in tasks}
     seen: set[str] = set()
@@ -101,3 +130,12 @@ def make_splits(tasks: dict[str, float], configs: dict[str, dict[str, Any]], siz
         random.Random(f"whale-rg:{seed}:{split}:order").shuffle(items)
         out[split] = items
     return {split: out[split] for split in SPLITS}
+
+
+if __name__ == "__main__":  # make_splits' child: arguments and splits pickled over stdin / stdout
+    try:
+        dealt = deal(*pickle.loads(sys.stdin.buffer.read()))
+    except TaskError as e:
+        sys.stderr.write(str(e))
+        sys.exit(2)
+    sys.stdout.buffer.write(pickle.dumps(dealt))
