@@ -64,3 +64,26 @@ def test_descendants_lists_a_child_and_its_child():
             subprocess.run(["kill", str(pid)])
         proc.kill()
         proc.wait()
+
+
+def test_the_memory_probe_writes_a_row_per_event_with_the_process_and_its_children(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from toy import ScriptedEngine
+    from whale.memory_probe import MemoryProbe
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        probe = MemoryProbe(tmp_path / "memory.jsonl", ScriptedEngine(), SimpleNamespace(trainer=None))
+        probe.log("eval", "eval-initial-val", 1.23)
+        probe.log("weight_step", "w0", 4.56)
+    finally:
+        child.kill()
+        child.wait()
+    rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["unit"], r["t"]) for r in rows] == [("eval", "eval-initial-val", 1.2), ("weight_step", "w0", 4.6)]
+    assert all(r["pss"] > 0 and r["peak_rss"] > 0 and r["threads"] >= 1 for r in rows)
+    assert sum(rows[0]["children_pss"].values()) > 0  # the child python process is counted

@@ -17,8 +17,11 @@ from whale.sysmem import descendants, heap_stats, peak_rss_kb, process_memory
 from whale.weights.versions import WeightVersions
 from whale.weights.trainer import Trainer
 
-ENABLED = os.environ.get("WHALE_MEMORY_LOG") == "1"
 MIB = 1 << 20
+
+
+def memory_log_on() -> bool:
+    return os.environ.get("WHALE_MEMORY_LOG") == "1"
 
 
 class MemoryProbe:

@@ -41,8 +41,7 @@ from whale.harness.archive import Archive
 from whale.harness.loop import HarnessSearch
 from whale.harness.proposers import make_proposer
 from whale.harness.validate import static_check
-from whale import memory_probe
-from whale.memory_probe import MemoryProbe
+from whale.memory_probe import MemoryProbe, memory_log_on
 from whale.rollout.runner import derive_seed
 from whale.run_evals import RunEvals
 from whale.run_record import RunRecord
@@ -132,7 +131,7 @@ class Experiment:
         self.state = state or self._new_state(model_print)
         self.record = RunRecord(run, self.state, self.engine, self.stream, self.patience)
         self.weights = WeightVersions(cfg, run, self.engine)
-        if memory_probe.ENABLED:
+        if memory_log_on():
             self.record.probe = MemoryProbe(run.path / "memory.jsonl", self.engine, self.weights)
         self.evals = RunEvals(cfg, self.evaluator, self.archive, self.weights, self.record)
         self.search: HarnessSearch | None = None  # the harness phase in progress
