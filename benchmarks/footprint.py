@@ -40,6 +40,11 @@ from workloads import ratio_interval  # noqa: E402
 CLI = "import sys; from whale.cli import app; sys.argv[0] = 'whale'; app()"
 
 
+# tree() and memory_kb() are whale.sysmem's descendants() and process_memory() again, on purpose:
+# this script must not import whale, since an editable install of another tree (a `--before`
+# worktree's, or the user's) would be imported in its place by the meta-path finder.
+
+
 def tree(pid: int) -> list[int]:
     """`pid` and every live descendant, from the kernel's per-thread child lists (cheap: no scan of
     /proc, so sampling costs the measured run little)."""
