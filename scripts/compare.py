@@ -4,6 +4,7 @@
     python scripts/compare.py                                  # all methods, seeds 0-4, in the foreground
     python scripts/compare.py --detach                         # the same, detached; log in OUT/compare.log
     python scripts/compare.py --status                         # which runs are done / partial / not started
+    python scripts/compare.py --compare-only                   # compare what is finished; run nothing
     python scripts/compare.py --methods whale weight_only --seeds 0 1 --set schedule.budget_rollouts=128
     python scripts/compare.py --config configs/math_compare.yaml --out runs/cmp_math
 
@@ -237,6 +238,9 @@ def main(argv: list[str]) -> None:
                          "changes what a method does, older records are redone)")
     ap.add_argument("--detach", action="store_true", help="run in the background, detached from this shell")
     ap.add_argument("--status", action="store_true", help="print each run's state and exit")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="run nothing: write the comparison of the finished runs and records (e.g. after "
+                         "runs on several machines) and exit")
     args = ap.parse_args(argv)
     out = Path(args.out)
     load_config(args.config, args.set)  # a bad config or override fails here, not in the first run
@@ -246,6 +250,10 @@ def main(argv: list[str]) -> None:
     if args.status:
         for seed in args.seeds:
             print("  ".join(f"{m}-s{seed}: {status_line(f'{m}-s{seed}', args)}" for m in args.methods))
+        return
+    if args.compare_only:
+        path = compare(args)
+        print(f"compare: {path}" if path else "no finished runs to compare")
         return
     if args.detach:
         detach(argv, out)

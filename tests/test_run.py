@@ -212,6 +212,10 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
     assert script.status_line("gain-s0", args) == "not started"
     again = script.compare(args).read_text()
     assert "| weight_only | 1 |" in again and again == first
+    (report / "compare.md").unlink()
+    script.main(["--config", str(base), "--out", str(out), "--report", str(report), "--methods", "weight_only",
+                 "gain", "--seeds", "0", "--compare-only"])  # gain-s0 is not started: it is not run either
+    assert (report / "compare.md").read_text() == first
     # a record made with another config is another experiment: it does not count as done
     other = argparse.Namespace(**{**vars(args), "set": ["weight.lr=0.001"]})
     assert script.record_of("weight_only-s0", other) is None
