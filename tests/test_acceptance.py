@@ -177,7 +177,7 @@ def variant(note: str) -> str:
 
 class OneRound:
     name = "scripted"
-    last_error, last_usage = None, {}
+    last_error, last_usage, exhausted = None, {}, False
 
     def __init__(self, sources):
         self.sources = sources

@@ -223,3 +223,33 @@ def test_at_equal_relevance_code_mechanisms_go_before_prompt_rewrites(tmp_path):
         got = M.MutationProposer(seed=seed, cfg=cfg).propose(archive, chess, 2, tmp_path / "ws", ctx)
         picked.update(p.mechanism for p in got)
     assert picked == {"majority_vote", "hint: annotate_moves"}, picked
+
+
+def test_the_mutation_proposer_says_when_it_has_nothing_left_to_write(tmp_path):
+    """Prompt-only on chess has two prompt mechanisms: proposing round after round, each proposal
+    archived and scored like its parent, the rounds with something new are not `exhausted`, and
+    the first empty round is (so the search ends its phase instead of stopping the run)."""
+    cfg = Config()
+    cfg.domain.name = "chess"
+    chess = ChessDomain(cfg)
+    wrong = [{"problem_id": f"p{i}", "sample": 0, "harness_id": "h0", "question": "Chess puzzle. Position (FEN): ...",
+              "answer": "e2e4", "reward": 0.0, "calls": [{"messages": [], "completion": "e2e4", "finish_reason": "stop"}],
+              "tool_calls": [{"name": "move", "args": ["e2e4"], "kwargs": {}, "result": {"ok": True}, "error": None}]}
+             for i in range(8)]
+    archive = Archive(tmp_path / "run")
+    archive.add_candidate(chess.base_harness(), None, "base")
+    archive.record_scores("h0", "base", [Trajectory.from_json(r) for r in wrong])
+    proposer = M.MutationProposer(seed=0, cfg=cfg)
+    rounds = []
+    for it in range(2, 30):
+        ctx = ProposalContext(iteration=it, weights_version="base", incoming_id="h0", prompt_only=True,
+                              base_source=chess.base_harness())
+        got = proposer.propose(archive, chess, 3, tmp_path / "ws", ctx)
+        rounds.append((len(got), proposer.exhausted))
+        if not got:
+            break
+        for p in got:
+            cid = archive.add_candidate(p.source, p.parent, "mutation", p.hypothesis, p.mechanism)
+            archive.record_scores(cid, "base", [Trajectory.from_json({**r, "harness_id": cid}) for r in wrong])
+    assert rounds[-1] == (0, True), rounds
+    assert rounds[0][0] > 0 and not any(done for n, done in rounds[:-1]), rounds

@@ -231,6 +231,17 @@ def test_harness_only_can_repeat_phases_for_a_curve():
     assert seq == [("H", 4), ("H", 4), ("H", 1)]  # 9 iterations in all, as with one long phase
 
 
+def test_harness_only_does_not_repeat_a_phase_that_spent_nothing():
+    """Its incoming harness's scores reused and a proposer with nothing left to write
+    (Proposer.exhausted): the phase changed nothing, and under frozen weights the next one would
+    repeat it for ever without spending the budget that ends the run."""
+    cfg = load_config(None, ["schedule.kind=harness_only", "schedule.budget_rollouts=95", "schedule.budget_epochs=null",
+                             "schedule.harness_iterations=4", "schedule.repeat_harness_phases=true"])
+    s = Schedule(cfg, 10, 10, 10)
+    assert s.after_harness_phase(Progress(budget_rollouts=40, phase_start_rollouts=30)) == "harness"
+    assert s.after_harness_phase(Progress(budget_rollouts=40, phase_start_rollouts=40)) == "done"
+
+
 def test_gain_schedule_runs_end_to_end_and_reports_gains_by_phase(tiny_model_dir, tmp_path, monkeypatch):
     tests = str(Path(__file__).resolve().parent)
     monkeypatch.syspath_prepend(tests)  # the tiny config's domain module (toy:ParityDomain)

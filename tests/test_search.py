@@ -148,6 +148,7 @@ class ScriptedProposer:
         self.error = error
         self.last_error = None
         self.last_usage = {}
+        self.exhausted = False
 
     def propose(self, archive, domain, n, workspace, context):
         self.calls += 1
@@ -159,6 +160,7 @@ class CrashingProposer:
     name = "crashing"
     last_error = None
     last_usage = {}
+    exhausted = False
 
     def propose(self, *a, **k):
         raise RuntimeError("proposer bug")
@@ -442,6 +444,22 @@ def test_proposer_failures_leave_the_run_going(toy):
         failures = events(result.history, "proposer_failure")
         assert result.accepted_id == "h0" and len(failures) == 1 and expect in failures[0]["reason"]
         assert time.monotonic() - started < 30
+
+
+def test_a_proposer_with_nothing_left_ends_the_phase_and_the_run_goes_on(toy):
+    """An offline library whose every edit is in the archive (Proposer.exhausted) is not a failure
+    to fix: each phase ends after its empty round and keeps its harness, however many phases in a
+    row (a prompt-only chess run stopped with ProposerStopped after three such rounds, 2026-12-07).
+    A proposer that fails without being exhausted is still stopped (test_agent_cli.py)."""
+    spent = ScriptedProposer([])
+    spent.exhausted = True
+    search = search_for(toy, spent)
+    for phase, version in enumerate(["base", "v1", "v2", "v3"]):
+        result = search.run_phase("h0", version, iterations=5)
+        assert result.accepted_id == "h0" and result.iterations == 2  # the rescore, then one empty round
+        [ended] = events(result.history, "proposer_exhausted")
+        assert "keeping the best harness so far" in ended["reason"] and not events(result.history, "proposer_failure")
+    assert spent.calls == 4
 
 
 def test_should_stop_ends_the_phase_at_an_iteration_boundary(toy):

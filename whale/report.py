@@ -280,7 +280,7 @@ def _proposer_lines(rows: list[dict], led: dict) -> list[str]:
     lines += [f"| run | {len(rounds)} | {sum(r['event'] == 'proposer_failure' for r in rounds)} | "
               f"{led.get('proposer_tokens', 0)} | {led.get('proposer_cost_usd', 0.0):.4f} | "
               f"{led.get('proposer_seconds', 0)} |", ""]
-    lines += [f"- {r['reason']}" for r in rows if r.get("event") in ("proposer_budget", "proposer_stopped")]
+    lines += [f"- {r['reason']}" for r in rows if r.get("event") in ("proposer_budget", "proposer_exhausted", "proposer_stopped")]
     return lines + ([""] if lines[-1] else [])
 
 

@@ -341,7 +341,7 @@ class Experiment:
             usage = row.get("usage") or {}
             self.run_dir.ledger.add_proposer(f"{self.record.unit}:proposer", float(usage.get("seconds", 0.0)),
                                              int(usage.get("tokens", 0)), float(usage.get("cost_usd", 0.0)))
-        if row.get("event") == "proposer_budget":
+        if row.get("event") in ("proposer_budget", "proposer_exhausted"):
             console.print(f"  {row['reason']}")
         self.record.log(row.get("event", "harness"), **{k: v for k, v in row.items() if k != "event"})
         st.search = self.search.state_dict()

@@ -187,9 +187,12 @@ class Schedule:
 
     def after_harness_phase(self, p: Progress) -> str:
         if self.kind == "harness_only" and self.cfg.repeat_harness_phases:
+            # a phase that spent nothing (its incoming harness's scores reused, a proposer with nothing
+            # left to write: Proposer.exhausted) changed nothing; under frozen weights the next would repeat it
             left = self.budget_left(p)
-            return "harness" if left is not None and left >= self.harness_iteration_cost + self.harness_phase_extra \
-                else "done"
+            spent = p.budget_rollouts - p.phase_start_rollouts
+            return "harness" if spent > 0 and left is not None and \
+                left >= self.harness_iteration_cost + self.harness_phase_extra else "done"
         if self.harness_phase_ends_run():
             return "done"
         if self.weight_budget_spent(p):

@@ -200,6 +200,7 @@ class AgentCLIProposer:
         self.home = os.environ.get("HOME")
         self.last_error: str | None = None
         self.last_usage: dict[str, float] = {}
+        self.exhausted = False  # a model can always write another candidate
         self.version = ""
         self.exe_binds: list[Bind] = []  # the agent's install folder (read-only), checked against the run only
         if self.preset and shutil.which(self.preset.executable) is None:

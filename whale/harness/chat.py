@@ -115,6 +115,7 @@ class ChatProposer:
                                            sleep=sleep)
         self.last_error: str | None = None
         self.last_usage: dict[str, float] = {}
+        self.exhausted = False  # a model can always write another candidate
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
         workspace = Path(workspace)

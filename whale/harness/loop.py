@@ -11,7 +11,7 @@ the null-engine probe on those samples (guard.py). The incoming harness stays ot
 
 Everything that happens is a history row handed to `on_iteration(row)` (the caller writes them to
 metrics.jsonl): rescore, candidate (evaluated), invalid, duplicate, proposer_failure, null_probe,
-iteration_end, confirm, accept, proposer_budget, proposer_stopped. After every row `state_dict()` is consistent; the caller saves it then.
+iteration_end, confirm, accept, proposer_budget, proposer_exhausted, proposer_stopped. After every row `state_dict()` is consistent; the caller saves it then.
 Resume (`load_state_dict`, then `run_phase` with the same incoming id and weights version):
 proposals are archived (status "pending") before any is validated, so a killed phase re-proposes
 only if it died while the proposer ran, and redoes at most the one pending candidate that was
@@ -19,6 +19,10 @@ being evaluated.
 
 A proposer round that fails is an empty iteration with its reason on record (the run goes on);
 the same failure FAILURE_REPEATS rounds in a row raises ProposerStopped instead of repeating it.
+A round that comes back empty because the proposer has nothing left to write (`Proposer.exhausted`:
+the offline library's every edit is in the archive) is not a failure: the phase ends there and goes
+on to acceptance, like a spent proposer budget. Before 2026-12-07 such rounds counted as failures,
+and a prompt-only chess run (two prompt mechanisms) stopped with ProposerStopped.
 Every round's usage (seconds, tokens, USD where the agent reports it) is in its round.json; once
 their sum reaches harness.proposer_budget_usd / _tokens, phases stop proposing and keep their
 incoming harness.
@@ -119,6 +123,7 @@ class HarnessSearch:
             raise ValueError(f"incoming harness {incoming_id} is {status} ({self.archive.meta(incoming_id)['reason']}); "
                              "a phase must start from a valid harness")
         self._history, self._on_iteration, self._can_spend = [], on_iteration, can_spend
+        self._exhausted = False  # set by a proposer round that had nothing left to write (Proposer.exhausted)
         st = self._state
         resume = self._resumed and st.get("incoming_id") == incoming_id and st.get("weights_version") == weights_version
         self._resumed = False
@@ -156,6 +161,8 @@ class HarnessSearch:
                     st["stale"] += 1
             st["done"], st["pending"] = it, None
             self._emit({"event": "iteration_end", "iteration": it, "best_rate": st["best_rate"], "stale": st["stale"]})
+            if self._exhausted:
+                break
             if adaptive and st["done"] >= first_stop and st["stale"] >= self.cfg.harness.patience:
                 break
         accepted = self._accept(incoming_id, weights_version)
@@ -257,16 +264,24 @@ class HarnessSearch:
                               prompt_only=prompt_only, base_source=base if prompt_only else None, tag=tag,
                               seed=self.cfg.seed)
         name = self.proposer.name
+        exhausted = False
         try:
             proposals = self.proposer.propose(self.archive, self.domain, m, self.workspace_root / tag, ctx)
             error, usage = self.proposer.last_error, dict(self.proposer.last_usage)
+            exhausted = not proposals and self.proposer.exhausted
         except Exception as e:  # noqa: BLE001 - a proposer bug must not end the run
             proposals, error, usage = [], f"proposer raised {type(e).__name__}: {e}", {}
         round_info = {"tag": tag, "phase": self._state["phase"], "iteration": it, "weights_version": version,
-                      "incoming_id": incoming, "proposer": name, "error": error, "usage": usage, "ids": []}
+                      "incoming_id": incoming, "proposer": name, "error": error, "usage": usage, "ids": [],
+                      "exhausted": exhausted}
         if not proposals:
             atomic_write(self.archive.proposals_dir(tag) / "round.json", json.dumps(round_info, indent=1) + "\n")
             reason = error or "proposer returned no candidates"
+            if exhausted:  # nothing left to write under these weights: the phase ends, the run goes on
+                self._exhausted = True
+                self._emit({"event": "proposer_exhausted", "iteration": it, "proposer": name,
+                            "reason": f"{reason}; keeping the best harness so far"})
+                return []
             self._emit({"event": "proposer_failure", "iteration": it, "proposer": name, "reason": reason, "usage": usage})
             self._same_failure(reason)
             return []
@@ -292,7 +307,7 @@ class HarnessSearch:
         every round alike, and repeating it spends the budget on nothing. Counted over the rounds
         on disk, so short harness phases and resumes do not reset it. The state is saved, so
         `whale run --resume` continues the phase once it is fixed."""
-        last = self._rounds()[-FAILURE_REPEATS:]
+        last = [r for r in self._rounds() if not r.get("exhausted")][-FAILURE_REPEATS:]
         keys = {re.sub(r"\d+(\.\d+)?", "N", r.get("error") or "proposer returned no candidates")
                 for r in last if not r.get("ids")}
         if len(last) == FAILURE_REPEATS and all(not r.get("ids") for r in last) and len(keys) == 1:

@@ -203,6 +203,7 @@ class MutationProposer:
         self.cfg = cfg or Config()
         self.last_error: str | None = None
         self.last_usage: dict[str, float] = {}
+        self.exhausted = False
 
     def propose(self, archive, domain, n, workspace, context) -> list[Proposal]:
         """Diagnose the parent's traces, then apply the mechanisms that address its failure modes,
@@ -217,7 +218,7 @@ class MutationProposer:
         runs accepted only code mechanisms), while the chess search that ended empty had drawn two
         prompt rewrites and a vote over annotating the moves, which with the constrained choice it
         had already tried scores 0.367 on val (docs/results/cmp_chess/README.md)."""
-        self.last_error, self.last_usage = None, {}
+        self.last_error, self.last_usage, self.exhausted = None, {}, False
         version = context.weights_version
         rng = random.Random(f"{self.seed}/{version}/{context.incoming_id}/{context.iteration}")
         use_hints = self.cfg.harness.domain_hints
@@ -265,6 +266,7 @@ class MutationProposer:
             counts = sorted({len(m) for _, m in diagnoses.values()})
             self.last_error = (f"only {len(out)} of {n} mutations applied (domain {domain.name!r}: "
                                f"{counts} mechanisms, hints {'on' if use_hints else 'off'}, parents {ranked[:5]})")
+            self.exhausted = not out  # every edit it can make is in the archive already
         return out
 
     @staticmethod

@@ -49,11 +49,16 @@ class Proposer(Protocol):
     """Writes up to `n` candidates. A failure (crash, timeout, nothing written, endpoint down)
     never raises: `propose` returns what it has (maybe []) and says why in `last_error`.
     `last_usage` is what the last round spent: seconds, and tokens / cost_usd where known; both
-    are reset by every `propose`. `name` is what the archive records as each candidate's proposer."""
+    are reset by every `propose`. `name` is what the archive records as each candidate's proposer.
+    `exhausted` is True when the last round came back empty because the proposer has nothing left
+    to write under these weights (every edit of an offline library is in the archive): not a
+    failure to fix, so the phase ends keeping what it has (whale/harness/loop.py) and the run
+    goes on, where a failure repeated would stop it."""
 
     name: str  # "mutation", "chat", "agent_cli"
     last_error: str | None
     last_usage: dict[str, float]
+    exhausted: bool
 
     def propose(self, archive: Archive, domain: Any, n: int, workspace: Path,
                 context: ProposalContext) -> list[Proposal]: ...
