@@ -111,13 +111,17 @@ def record_of(name: str, args, quiet: bool = True) -> Path | None:
 def made_since(rec: Path, commit: str) -> bool:
     """Was the record made by code that contains `commit` (environment.json's whale_commit has it
     as an ancestor)? Why: a config says what was run, not with which code; a fix to a schedule
-    (2026-12-02: rule 1b of kind gain) leaves the config equal while its old runs no longer count."""
+    (2026-12-02: rule 1b of kind gain) leaves the config equal while its old runs no longer count.
+    A tree with uncommitted changes ("<commit>+dirty") counts as its commit: copying records into
+    the checkout (--report) is itself such a change, so every run after the first would otherwise
+    be redone."""
     try:
         made = json.loads((rec / "environment.json").read_text()).get("whale_commit")
     except (OSError, json.JSONDecodeError):
         return False
     if not made:
         return False
+    made = made.removesuffix("+dirty")
     return subprocess.run(["git", "merge-base", "--is-ancestor", commit, made], cwd=ROOT,
                           capture_output=True).returncode == 0
 

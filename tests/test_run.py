@@ -229,7 +229,7 @@ def test_compare_script_keeps_records_that_outlive_the_run_dirs(tiny_model_dir, 
         return  # not a git checkout with history
     env_path = record / "environment.json"
     env = json.loads(env_path.read_text())
-    for made, counts in ((head, True), (parent, False), (None, False)):
+    for made, counts in ((head, True), (head + "+dirty", True), (parent, False), (None, False)):
         env_path.write_text(json.dumps({**env, "whale_commit": made}))
         since = argparse.Namespace(**{**vars(args), "code_since": head})
         assert (script.record_of("weight_only-s0", since) is not None) == counts, made
