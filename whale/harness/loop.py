@@ -21,8 +21,8 @@ A proposer round that fails is an empty iteration with its reason on record (the
 the same failure FAILURE_REPEATS rounds in a row raises ProposerStopped instead of repeating it.
 A round that comes back empty because the proposer has nothing left to write (`Proposer.exhausted`:
 the offline library's every edit is in the archive) is not a failure: the phase ends there and goes
-on to acceptance, like a spent proposer budget. Before 2026-12-07 such rounds counted as failures,
-and a prompt-only chess run (two prompt mechanisms) stopped with ProposerStopped.
+on to acceptance, like a spent proposer budget (prompt-only on chess, which has two prompt
+mechanisms, gets there within one phase).
 Every round's usage (seconds, tokens, USD where the agent reports it) is in its round.json; once
 their sum reaches harness.proposer_budget_usd / _tokens, phases stop proposing and keep their
 incoming harness.
