@@ -10,15 +10,15 @@ import sys
 
 @contextlib.contextmanager
 def fresh_slab(engine):
-    """The hf engine's KV slab without kept storage: fresh memory for every growth (set aside, not
+    """The hf engine's KV slab without kept storage: fresh memory for every batch (set aside, not
     freed, so the variants after this one find their kept buffers again)."""
     slab = engine.scheduler.slab
-    saved = slab.keep_storage, slab.buffers
-    slab.keep_storage, slab.buffers = False, []
+    saved = slab.keep_storage, slab.buffers, slab.scratch
+    slab.keep_storage, slab.buffers, slab.scratch = False, [], None
     try:
         yield
     finally:
-        slab.keep_storage, slab.buffers = saved
+        slab.keep_storage, slab.buffers, slab.scratch = saved
 
 
 @contextlib.contextmanager

@@ -311,7 +311,7 @@ def test_idle_engine_thread_ends_and_restarts(tiny_model_dir, monkeypatch):
     try:
         first = ids(eng, messages=USER, seed=4, max_tokens=3)
         wait_for(lambda: eng.scheduler.thread is None, timeout=10)  # nothing holds the engine now
-        assert eng.scheduler.slab.data is None
+        assert eng.scheduler.slab.layers is None
         assert ids(eng, messages=USER, seed=4, max_tokens=3) == first
     finally:
         eng.close()

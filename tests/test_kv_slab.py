@@ -1,4 +1,7 @@
-"""The KV slab keeps its storage across clears on CPU (engine/kv.py): same shapes, same samples."""
+"""The KV slab (engine/kv.py): it grows a layer at a time, never holding two slabs, and keeps its
+storage across clears on CPU with the shapes and samples of a fresh slab."""
+
+import time
 
 import torch
 
@@ -12,14 +15,25 @@ PROMPTS = [[{"role": "user", "content": f"Name a city in country number {i}."}] 
 DIRT = [[{"role": "user", "content": "def run(env, llm): return 2 + 3 " * (4 + i)}] for i in range(5)]
 
 
+def whole(slab: KVSlab) -> torch.Tensor:
+    """The slab as one tensor [layers, 2, rows, heads, cols, dim] (a copy)."""
+    return torch.stack(slab.layers)
+
+
+def value(layer: int, step: int, cols: int) -> torch.Tensor:
+    """What `grow` writes in a row's columns: distinct per layer, step and column (exact in float32)."""
+    return 10_000.0 * layer + 1_000.0 * (step + 1) + torch.arange(cols)
+
+
 def grow(slab: KVSlab) -> list[tuple]:
-    """Run GROWTH on `slab`, writing a row's worth of values at each step; the shapes it took."""
+    """Run GROWTH on `slab`, writing a row's worth of distinct values at each step; the shapes it took."""
     slab.layer(0, torch.zeros(1, 2, 1, 8))  # the first keys fix (heads, dim, dtype)
     shapes = []
     for step, (rows, cols) in enumerate(GROWTH):
         slab.reserve(rows, cols)
-        slab.data[:, :, rows - 1, :, :cols] = step + 1.0
-        shapes.append(tuple(slab.data.shape))
+        for index, kv in enumerate(slab.layers):
+            kv[:, rows - 1, :, :cols] = value(index, step, cols).unsqueeze(-1)
+        shapes.append(tuple(whole(slab).shape))
     return shapes
 
 
@@ -28,33 +42,65 @@ def test_cleared_slab_reuses_its_storage_with_the_shapes_of_a_fresh_one():
     assert kept.keep_storage  # the default on CPU
     reference = grow(fresh)
     assert grow(kept) == reference
-    before = kept.data.clone()
-    assert torch.equal(before, fresh.data)  # what each growth copied is the same
+    before = whole(kept)
+    assert torch.equal(before[:, :, 13], whole(fresh)[:, :, 13])  # what each growth copied is the same
+    last = {rows: step for step, (rows, _) in enumerate(GROWTH)}
+    for step, (rows, cols) in enumerate(GROWTH):  # each row's last write survives the growths after it
+        if last[rows] == step:
+            assert torch.equal(before[1, 0, rows - 1, 0, :cols, 0], value(1, step, cols))
     buffers = {id(b) for b in kept.buffers}
-    grown = kept.fresh_bytes  # every growth zeroed new storage: the sum of the buffers made, dropped ones too
-    assert grown > kept.storage_bytes and fresh.fresh_bytes == grown  # as many as a fresh slab, growing from empty
-    assert len(buffers) == 2 and kept.storage_bytes >= kept.nbytes
+    grown = kept.fresh_bytes
+    assert fresh.fresh_bytes == grown  # as much new memory as a fresh slab, growing from empty
+    assert len(buffers) == 2  # one per layer
     kept.clear()
-    assert kept.data is None and kept.rows == kept.cols == 0 and len(kept.buffers) == 2
+    assert kept.layers is None and kept.rows == kept.cols == 0 and len(kept.buffers) == 2
     assert grow(kept) == reference  # the same shapes from empty, after the clear
     assert {id(b) for b in kept.buffers} == buffers  # and no new memory
     assert kept.fresh_bytes == grown and kept.fresh_seconds > 0  # counted as none either
     # the values a batch wrote are there; stale ones from the last batch are finite, never NaN
-    assert torch.equal(kept.data[:, :, 13, :, :130], before[:, :, 13, :, :130])
-    assert torch.isfinite(kept.data).all()
+    assert torch.equal(whole(kept)[:, :, 13, :, :130], before[:, :, 13, :, :130])
+    assert all(torch.isfinite(b).all() for b in kept.buffers)
     fresh.clear()
-    assert fresh.buffers == [] and fresh.data is None
+    assert fresh.buffers == [] and fresh.layers is None
     kept.release()
     assert kept.buffers == [] and kept.storage_bytes == 0
 
 
-def test_a_bigger_slab_replaces_the_smaller_free_buffer_and_two_at_most_are_kept():
-    slab = KVSlab(2, torch.device("cpu"))
+def test_a_growth_holds_the_slab_and_one_layer_never_two_slabs():
+    """Growing re-lays each layer inside its buffer, or moves it to a larger one a layer at a time:
+    the storage held stays within the slab plus one layer (a one-tensor slab held two slabs)."""
+    n_layers = 6
+    slab = KVSlab(n_layers, torch.device("cpu"))
     grow(slab)
+    layer_bytes = slab.nbytes // n_layers
+    assert slab.storage_bytes <= slab.nbytes + layer_bytes
+    peak = []
+    real_zeros = slab._zeros
+
+    def zeros(numel, dtype):  # the storage held at every new allocation, the new one included
+        out = real_zeros(numel, dtype)
+        peak.append(sum(b.numel() * b.element_size() for b in slab.buffers) + out.numel() * out.element_size())
+        return out
+
+    slab._zeros = zeros
     slab.reserve(40, 300)  # larger than anything before: new memory, the live data copied over
-    assert len(slab.buffers) == 2
-    assert float(slab.data[0, 0, 13, 0, 0, 0]) == len(GROWTH)
-    assert slab.storage_bytes < 3 * slab.nbytes
+    assert peak and max(peak) <= slab.nbytes + slab.nbytes // n_layers
+    assert torch.equal(slab.layers[3][0, 13, 0, :130, 0], value(3, len(GROWTH) - 1, 130))
+    assert len(slab.buffers) == n_layers
+    slab.clear()
+    slab.reserve(8, 600)  # other shapes within the buffers' room: re-laid in place, no new memory
+    fresh = slab.fresh_bytes
+    slab.layers[2][1, 7, 1, 599, 3] = 7.0
+    slab.reserve(12, 600)
+    assert slab.fresh_bytes == fresh and float(slab.layers[2][1, 7, 1, 599, 3]) == 7.0
+    assert tuple(slab.layers[2].shape) == (2, 12, 2, 640, 8)
+
+
+def wait_for(condition, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
 
 
 def run(engine, prompts):
@@ -75,26 +121,11 @@ def test_kept_storage_changes_no_sample(tiny_model_dir):
         fresh_bytes = kept.stats["slab_fresh_bytes"]
         assert run(kept, PROMPTS) == first == run(zeroed, PROMPTS)
         assert kept.stats["slab_fresh_bytes"] == fresh_bytes > 0  # the shorter batch needed no new storage
-        assert zeroed.scheduler.slab.buffers == []
+        wait_for(lambda: zeroed.scheduler.slab.buffers == [])  # idle: a slab without kept storage frees it
     finally:
         kept.close()
         zeroed.close()
     assert kept.scheduler.slab.buffers == []  # closing frees the kept storage
-
-
-def test_new_storage_stops_once_both_buffers_reach_the_largest_slab():
-    """Batches whose last growth asks a little more or less than before (as free-running batches
-    do, run to run) reuse the kept buffers: a new one is made as large as the largest kept."""
-    slab = KVSlab(2, torch.device("cpu"))
-    made = []
-    for final_rows in (40, 38, 39, 37, 40):
-        slab.clear()
-        grow(slab)
-        slab.reserve(final_rows, 300)
-        made.append(slab.fresh_bytes)
-    assert made[1] > made[0]  # the second batch needed the second buffer at the largest size
-    assert made[-1] == made[1]  # and none after it, though each batch's last growth differed
-    assert len(slab.buffers) == 2
 
 
 def test_a_bounded_slab_grows_only_to_what_is_asked_and_keeps_at_most_its_bound():
@@ -105,14 +136,16 @@ def test_a_bounded_slab_grows_only_to_what_is_asked_and_keeps_at_most_its_bound(
                        ("unbounded", KVSlab(2, torch.device("cpu")))):
         slab.layer(0, torch.zeros(1, 2, 1, 8))
         slab.reserve(8, 40)
-        slab.data[:, :, 7, :, :40] = 1.0
+        slab.layers[1][:, 7, :, :40] = 1.0
         slab.reserve(9, 40)  # by half: 12 rows, past the bound
-        shapes[name] = tuple(slab.data.shape)
+        shapes[name] = tuple(whole(slab).shape)
         if name == "bounded":
-            assert slab.nbytes <= bound and float(slab.data[1, 1, 7, 1, 39, 7]) == 1.0  # copied over
-            assert slab.storage_bytes > bound  # while in use: the slab and the buffer it grew from
+            assert slab.nbytes <= bound and float(slab.layers[1][1, 7, 1, 39, 7]) == 1.0  # copied over
+            assert slab.storage_bytes <= bound + bound // 2  # the slab and one layer's scratch
             slab.clear()
-            assert 0 < slab.storage_bytes <= bound  # between batches: only what fits the bound
+            assert 0 < slab.storage_bytes <= bound + bound // 2  # between batches: buffers that fit the bound
             slab.reserve(30, 200)  # a single ask past the bound still gets its room
-            assert slab.data.shape[2] == 30 and slab.data.shape[4] == 256
+            assert whole(slab).shape[2] == 30 and whole(slab).shape[4] == 256
+            slab.clear()
+            assert slab.storage_bytes == 0  # buffers past the bound are not kept
     assert shapes == {"bounded": (2, 2, 9, 2, 64, 8), "unbounded": (2, 2, 12, 2, 64, 8)}

@@ -41,7 +41,7 @@ class ModelConfig(_Strict):
     kv_cache_mib: int = Field(1024, ge=1, le=999_999, description="hf: bound on the KV storage (MiB) of the "
                               "sequences in flight: they join the batch while rows x the longest prompt + "
                               "completion fit (one always runs), and at most this much stays kept between "
-                              "batches; growing, the slab and its copy hold up to twice it (engine/kv.py). 1024: "
+                              "batches; growing, one layer more (engine/kv.py). 1024: "
                               "23k tokens of SmolLM2-135M in float32, 46k in bf16")
     prefix_cache_mib: int = Field(1024, ge=0, le=999_999, description="hf: KV (MiB) of finished sequences kept "
                                   "for later prompts that extend them (an episode's next call, the samples of a "

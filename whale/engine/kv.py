@@ -4,7 +4,7 @@ Why not transformers' DynamicCache: it appends with `torch.cat`, so every decode
 whole cache of every layer, and a sequence joining a running batch must be padded to the batch's
 length (another copy of everything). Measured side by side in benchmarks/kv_cache_decode.py.
 
-The slab is one tensor [layers, 2 (keys, values), rows, kv_heads, columns, head_dim]. A forward
+The slab is, per layer, one tensor [2 (keys, values), rows, kv_heads, columns, head_dim]. A forward
 writes its new keys/values in place at (row, column) pairs it chooses and attends to a prefix of
 columns under a 4D mask the scheduler builds, so rows have lengths of their own. A sequence joins
 by filling its own row, leaves by having the last row moved into its place (one row copied), and
@@ -23,28 +23,31 @@ past the largest slab so far zeroes a new buffer, up to 12x the final slab's byt
 batch decoding from 300 to 1,500 columns (2.6x growing by half). So it was not kept
 (docs/design.md, section 8).
 
-Storage (CPU). A slab grows by half when rows join or columns run out, and a new tensor of fresh
-memory costs page faults on its first touch: measured on the math workload (64 episodes, slab
-growing 10 times to 82 rows x 320 columns, 577 MiB), the growths took 1.8-4.3 s of a 10-12 s
-batch, against 0.02 s for the copies themselves. So on CPU a cleared slab keeps its storage: two
-flat buffers (the live slab's and the one the next growth copies into) are reused by every later
-batch, and only a slab larger than any before touches new memory. The slab's shapes are exactly
-those of a fresh slab (same growth from empty after every clear), so no forward sees a different
-shape and no sampled id changes; reused storage holds zeros or values a forward wrote, which is
-the same invariant as above. A new buffer is made as large as the largest kept one, so the two
-converge to the largest slab. The price is up to twice the largest slab held while idle (about
-1.2 GiB for SmolLM2 at 64 rows x 320 columns); `release` frees it. Elsewhere (CUDA's caching
-allocator reuses blocks without faults) a clear frees the storage as before. `fresh_bytes` and
-`fresh_seconds` count the new storage and the time its zeroing took (the page faults: 2-3 ms per
-MiB on the 2-core AMX Xeon while the runner worked beside the engine, about 2 s for a 750 MiB slab),
-so a benchmark can tell this one-off cost of an engine's first slab of a size from its steady state.
+Storage. Each layer's keys and values live in a flat buffer of their own, and a layer's slab
+[2, rows, kv_heads, columns, head_dim] is a view of its buffer's start. A slab grows by half when
+rows join or columns run out; where the buffer holds the larger shape, the layer is re-laid in
+place (its live part copied out to a scratch buffer of one layer, then into the larger view), and
+only where it does not is a larger buffer made, the layer copied into it and the old one freed,
+one layer at a time. So a growth holds the slab plus one layer, never two slabs: with one tensor
+for all layers, the old slab and the one it was copied into held up to twice the bound, about 0.9
+GiB of `whale demo`'s peak (docs/performance.md). The re-laid columns hold stale finite values of
+the smaller layout, which the invariant above covers. Each layer's view has the shape and strides
+of the one-tensor slab's layer, so no forward sees another shape and no sampled id changes.
+
+On CPU a cleared slab keeps its buffers: new memory costs page faults on its first touch (measured
+on the math workload, 64 episodes, a slab growing 10 times to 82 rows x 320 columns, 577 MiB: the
+growths into new tensors took 1.8-4.3 s of a 10-12 s batch, against 0.02 s for the copies
+themselves), so every later batch grows inside the buffers the largest slab so far left, and only
+a slab larger than any before touches new memory. Elsewhere (CUDA's caching allocator reuses blocks
+without faults) a clear frees them. `fresh_bytes` and `fresh_seconds` count the new storage and the
+time its zeroing took (2-3 ms per MiB on the 2-core AMX Xeon while the runner worked beside the
+engine), so a benchmark can tell this one-off cost of an engine's first slab of a size from its
+steady state.
 
 Bound (`max_bytes`, the hf engine's `model.kv_cache_mib`): a growth never makes the slab larger
 than `max_bytes` unless the rows and columns asked for need more (the scheduler admits rows so
-that they do not, engine/scheduler.py), and a clear keeps only as many buffers as fit in it. So the
-slab holds at most `max_bytes` between batches and twice it while it grows (the old slab and the
-one it is copied into). Measured on `whale demo` (float32, 2026-12-07): unbounded, the kept
-buffers reached 2.1 GiB, 40% of the run's peak memory (docs/performance.md).
+that they do not, engine/scheduler.py), and a clear keeps the buffers only if they fit in it. So the
+slab holds at most `max_bytes` between batches, and one layer more (the scratch) while it grows.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class KVSlab:
-    """Keys and values of the sequences in flight; allocated on the first write, grown on demand."""
+    """Keys and values of the sequences in flight, one view per layer; allocated on the first write,
+    grown on demand (module docstring, "Storage")."""
 
     def __init__(self, n_layers: int, device: torch.device, keep_storage: bool | None = None,
                  max_bytes: int | None = None):
@@ -75,8 +79,9 @@ class KVSlab:
         self.max_bytes = max_bytes  # None: unbounded (module docstring, "Bound")
         self.device = device
         self.keep_storage = device.type == "cpu" if keep_storage is None else keep_storage
-        self.buffers: list[torch.Tensor] = []  # flat storage the slab's views are cut from (module docstring)
-        self.data: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []  # one flat buffer per layer, the layers' views cut from their starts
+        self.scratch: torch.Tensor | None = None  # one layer's room: its live part while its buffer is re-laid
+        self.layers: list[torch.Tensor] | None = None  # [2, rows, heads, cols, dim] per layer; None: not allocated
         self.rows = 0  # capacity, allocated or wanted
         self.cols = 0
         self.kind: tuple[int, int, torch.dtype] | None = None  # (kv heads, head dim, dtype) once seen
@@ -84,36 +89,40 @@ class KVSlab:
         self.fresh_seconds = 0.0
 
     @property
+    def column_bytes(self) -> int:
+        """Bytes of one row's column over all layers (keys and values); 0 before the first keys."""
+        if self.kind is None:
+            return 0
+        heads, dim, dtype = self.kind
+        return self.n_layers * 2 * heads * dim * dtype.itemsize
+
+    @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+        """Bytes of the live slab (rows x columns of every layer)."""
+        return 0 if self.layers is None else self.rows * self.cols * self.column_bytes
 
     @property
     def storage_bytes(self) -> int:
-        """Bytes of storage held, the idle slab's kept buffers included."""
-        kept = sum(b.numel() * b.element_size() for b in self.buffers)
-        return kept if self.buffers else self.nbytes
+        """Bytes of storage held: the layers' buffers and the scratch."""
+        held = self.buffers + ([self.scratch] if self.scratch is not None else [])
+        return sum(b.numel() * b.element_size() for b in held)
 
     def clear(self) -> None:
         """Empty the slab (the scheduler does when it goes idle, e.g. before training); the next
-        batch starts from an empty slab again. Frees the storage unless `keep_storage`."""
-        self.data, self.rows, self.cols = None, 0, 0
-        if not self.keep_storage:
-            self.buffers = []
-        elif self.max_bytes is not None:  # keep the largest buffers that fit the bound together
-            kept, total = [], 0
-            for b in sorted(self.buffers, key=lambda b: -b.numel() * b.element_size()):
-                if total + b.numel() * b.element_size() <= self.max_bytes:
-                    kept.append(b)
-                    total += b.numel() * b.element_size()
-            self.buffers = kept
+        batch starts from an empty slab again. Frees the storage unless `keep_storage`, and keeps
+        the buffers only while they fit the bound."""
+        self.layers, self.rows, self.cols = None, 0, 0
+        held = sum(b.numel() * b.element_size() for b in self.buffers)
+        if not self.keep_storage or (self.max_bytes is not None and held > self.max_bytes):
+            self.buffers, self.scratch = [], None
 
     def release(self) -> None:
-        """Empty the slab and free its storage, kept buffers included."""
-        self.data, self.rows, self.cols, self.buffers = None, 0, 0, []
+        """Empty the slab and free its storage."""
+        self.layers, self.rows, self.cols, self.buffers, self.scratch = None, 0, 0, [], None
 
     def reserve(self, rows: int, cols: int) -> None:
         """Make room for `rows` rows of `cols` columns, keeping what is stored."""
-        if rows <= self.rows and cols <= self.cols and (self.data is not None or self.kind is None):
+        if rows <= self.rows and cols <= self.cols and (self.layers is not None or self.kind is None):
             return
         # grow by half at least, so rows joining one by one (or a sequence growing one column per
         # step) copy the slab a logarithmic number of times, not on every join
@@ -122,49 +131,41 @@ class KVSlab:
         new_cols = -(-new_cols // 64) * 64
         if self.max_bytes is not None and self.kind is not None:
             # growing by half past the bound: grow only to what is asked (columns stay whole 64s)
-            heads, dim, dtype = self.kind
-            col_bytes = self.n_layers * 2 * heads * dim * dtype.itemsize
-            if new_rows * new_cols * col_bytes > self.max_bytes:
+            if new_rows * new_cols * self.column_bytes > self.max_bytes:
                 new_rows = max(rows, self.rows)
-            if new_rows * new_cols * col_bytes > self.max_bytes:
+            if new_rows * new_cols * self.column_bytes > self.max_bytes:
                 new_cols = max(-(-cols // 64) * 64, self.cols)
-        old = self.data
+        old = self.layers
         self.rows, self.cols = new_rows, new_cols
         if self.kind is not None:
-            self._allocate()
-            if old is not None:
-                self.data[:, :, : old.shape[2], :, : old.shape[4]] = old
+            self._allocate(old)
 
-    def _allocate(self) -> None:
+    def _allocate(self, old: list[torch.Tensor] | None = None) -> None:
+        """Lay every layer out at the current rows x columns, copying the `old` layers' contents in:
+        in place where the buffers have room, else into larger buffers, one layer at a time."""
         heads, dim, dtype = self.kind
         self.rows, self.cols = max(self.rows, 1), max(self.cols, 64)
-        shape = (self.n_layers, 2, self.rows, heads, self.cols, dim)
-        if not self.keep_storage:
-            self.data = self._zeros(math.prod(shape), dtype).view(shape)
-            return
-        self.data = self._buffer(math.prod(shape), dtype)[: math.prod(shape)].view(shape)
-
-    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A kept flat buffer of at least `numel` elements that does not hold the live slab (which
-        the caller copies from): the smallest that fits, else a new zeroed one in place of the
-        smallest free one, as large as the largest kept (so the two converge to the largest slab
-        and later batches, whose growth steps differ run to run, stop meeting sizes that fit only
-        the other buffer: measured, a primed benchmark repeat still zeroed 1.7 s of new storage)."""
-        live = None if self.data is None else self.data.untyped_storage().data_ptr()
-        free = [b for b in self.buffers if b.untyped_storage().data_ptr() != live and b.dtype == dtype]
-        fits = [b for b in free if b.numel() >= numel]
-        if fits:
-            return min(fits, key=lambda b: b.numel())
-        if free:
-            smallest = min(free, key=lambda b: b.numel())
-            self.buffers = [b for b in self.buffers if b is not smallest]
-            del free, smallest  # freed before the new one is zeroed: never three buffers at once
-        largest = max((b.numel() for b in self.buffers if b.dtype == dtype), default=0)
-        if self.max_bytes is not None:
-            largest = min(largest, self.max_bytes // dtype.itemsize)
-        buffer = self._zeros(max(numel, largest), dtype)
-        self.buffers.append(buffer)
-        return buffer
+        shape = (2, self.rows, heads, self.cols, dim)
+        numel = math.prod(shape)
+        grows = not self.buffers or self.buffers[0].numel() < numel  # every layer's buffer has the same room
+        if grows:
+            self.scratch = None  # made again at the new room, after the layers' buffers
+        layers = []
+        for index in range(self.n_layers):
+            live = None
+            if old is not None:  # dropped from the list, so each old buffer is freed once copied
+                live, old[index] = old[index], None
+            if grows:
+                self.buffers[index:index + 1] = [self._zeros(numel, dtype)]
+            elif live is not None:  # re-laid in place: the live part goes out to the scratch first
+                live = self.scratch[: live.numel()].view(live.shape).copy_(live)
+            layer = self.buffers[index][:numel].view(shape)
+            if live is not None:
+                layer[:, : live.shape[1], :, : live.shape[3]] = live
+            layers.append(layer)
+        if grows:
+            self.scratch = self._zeros(numel, dtype)
+        self.layers = layers
 
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """New zeroed storage, counted in `fresh_bytes` and `fresh_seconds`."""
@@ -181,21 +182,24 @@ class KVSlab:
             self.kind = kind
         elif kind != self.kind:
             raise ValueError("the hf engine needs the same number of KV heads, head size and dtype in every layer")
-        if self.data is None:
+        if self.layers is None:
             self._allocate()
-        return self.data[index]
+        return self.layers[index]
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         if length > 0 and src != dst:
-            self.data[:, :, dst, :, :length] = self.data[:, :, src, :, :length]
+            for kv in self.layers:
+                kv[:, dst, :, :length] = kv[:, src, :, :length]
 
     def load_row(self, dst: int, kv: torch.Tensor, length: int) -> None:
         """Write the first `length` columns of a prefix-cache entry [layers, 2, heads, cols, dim]."""
         if length > 0:
-            self.data[:, :, dst, :, :length] = kv[:, :, :, :length]
+            for layer, entry in zip(self.layers, kv):
+                layer[:, dst, :, :length] = entry[:, :, :length]
 
     def read_row(self, row: int, length: int) -> torch.Tensor:
-        return self.data[:, :, row, :, :length].clone()
+        """Row `row`'s first `length` columns of every layer: [layers, 2, heads, length, dim]."""
+        return torch.stack([kv[:, row, :, :length] for kv in self.layers])
 
     def view(self, first_row: int, n_rows: int, write_rows: torch.Tensor, write_cols: torch.Tensor,
              read_cols: int) -> "SlabView":

@@ -463,9 +463,8 @@ class Scheduler:
         self.rows = self.rows[:live]
 
     def _remember(self, ids: np.ndarray, row: int, length: int) -> None:
-        if length < MIN_SHARED or self.slab.data is None:
+        if length < MIN_SHARED or self.slab.layers is None:
             return
         ids = ids[:length]
-        per_col = self.slab.nbytes // max(1, self.slab.rows * self.slab.cols)
-        if self.prefix.wants(ids, length * per_col):
+        if self.prefix.wants(ids, length * self.slab.column_bytes):
             self.prefix.add(ids, self.slab.read_row(row, length))
