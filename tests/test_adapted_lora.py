@@ -63,6 +63,23 @@ def test_a_lora_layer_is_one_joined_gemm_as_accurate_as_peft(pack_dtype, rows):
     assert ours.max() < 8 and ours.mean() <= theirs.mean()
 
 
+@pytest.mark.skipif(not packed.available(), reason="this CPU's oneDNN has no bf16 packs")
+def test_a_packed_joined_layer_keeps_no_plain_copy():
+    """Where [W | s B] is packed, the pack serves every width and the plain copy is freed: the
+    adapter costs its pack and the rank-r copies, not a second plain copy of W."""
+    model = _adapted_model()
+    adapted_linears = AdaptedLinears(torch.bfloat16, PackedLinears())
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad(), adapted_linears.installed(model):
+        wide = _layers(model)[0](x)  # a prefill width, past packed.MAX_ROWS
+    plain_w = sum(m.base_layer.weight.nbytes for m in _layers(model))
+    assert 0 < adapted_linears.nbytes < plain_w / 10  # the rank-r copies only
+    assert adapted_linears.packs.nbytes >= plain_w  # the packs of [W | s B] hold the weights
+    exact = _float64(_layers(model)[0], x)
+    ulp = 2.0 ** -8 * exact.pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((wide.double() - exact).abs() / ulp).max() < 8
+
+
 def test_the_joined_weight_follows_an_optimizer_step():
     model = _adapted_model()
     layer = _layers(model)[0]

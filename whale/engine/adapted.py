@@ -16,25 +16,26 @@ bias, dropout off as in eval):
     a = x A^T                   (float32 at decode widths, then rounded; bf16 at prefill widths)
     y = [x | a] [W | s B]^T     (ONE GEMM over in + r columns; `s B` rounded to bf16 once)
 
-The joined GEMM goes through the engine's bf16 packs at decode widths where this CPU has them
-(engine/packed.py). The update is accumulated in float32 next to the base product inside the GEMM
-and the output is rounded once;
-peft rounds the base product to bf16, adds the float32 update, and rounds again. Against a
-float64 reference this is the more accurate of the two (mean error 0.29-0.34 of an output's
-typical bf16 ulp, max 2.1-4.1, against peft's 0.38-0.40 and 3.5-7.1, for updates 3% and 26-28%
-of the output's size). Per layer 1.6-2.0x the base GEMMs: 1.2-1.3x faster than peft's at 1-8 rows,
-1.5x at 64, 1.8-1.9x at 256, 3.6-3.9x at 1,024; search-QA replays with an r = 16 adapter 1.21x
-[1.04, 1.41] faster (benchmarks/lora_generation.py) and `whale demo` 1.07x [1.04, 1.10]
-(2026-12-06, the 2-core AMX Xeon; measured when packs also served prefill widths and the rank-r
-product ran on MKL's packed float32 GEMM, both since removed for showing no whole-run effect of
-their own; docs/performance.md). It is not peft's bits, so adapted samples
-change by rounding as they do between batch shapes in bf16 (docs/design.md); the trainer keeps
-peft's layers and arithmetic.
+The joined GEMM goes through the engine's bf16 pack of [W | s B] where this CPU has packs
+(engine/packed.py), at every width, and the plain [W | s B] is freed once packed (220 MiB of
+`whale demo`'s peak on SmolLM2-135M; packs at prefill widths showed no speed effect of their own
+on whole replays, 1.02x [0.97, 1.08]). The update is accumulated in float32 next to the base
+product inside the GEMM and the output is rounded once; peft rounds the base product to bf16, adds
+the float32 update, and rounds again. Against a float64 reference this is the more accurate of the
+two (mean error 0.29-0.34 of an output's typical bf16 ulp, max 2.1-4.1, against peft's 0.38-0.40
+and 3.5-7.1, for updates 3% and 26-28% of the output's size). Per layer 1.6-2.0x the base GEMMs:
+1.2-1.3x faster than peft's at 1-8 rows, 1.5x at 64, 1.8-1.9x at 256, 3.6-3.9x at 1,024;
+search-QA replays with an r = 16 adapter 1.21x [1.04, 1.41] faster (benchmarks/lora_generation.py)
+and `whale demo` 1.07x [1.04, 1.10] (2026-12-06, the 2-core AMX Xeon; measured when the rank-r
+product ran on MKL's packed float32 GEMM, since removed for showing no whole-run effect of its own;
+docs/performance.md). It is not peft's bits, so adapted samples change by rounding as they do
+between batch shapes in bf16 (docs/design.md); the trainer keeps peft's layers and arithmetic.
 
 The joined weights [W | s B] and their packs are rebuilt when W, A, B or s change (after each
 optimizer step, a loaded adapter): their keys are storages and autograd version counters, as for
 the packs (1.0 s for SmolLM2-135M's 210 layers, most of it packing). Memory: about one more copy
-of the adapted weights and its pack while an adapter is active. float32 (a CPU without fast bf16): no joined copy. There are no casts to save, and a joined [W | s B]
+of the adapted weights while an adapter is active (its pack, or the plain copy where there is no
+pack). float32 (a CPU without fast bf16): no joined copy. There are no casts to save, and a joined [W | s B]
 would double the adapted weights (432 MiB for SmolLM2-135M, a sixth of `whale demo`'s peak memory
 on such a CPU, 2026-12-07); the layer runs y = x W^T, then y += (x A^T) (s B)^T as one in-place
 GEMM (`addmm_`), on the parameters themselves (nothing copied but s B).
@@ -104,8 +105,8 @@ def _lora_layers(model: nn.Module, lora_type: type) -> list[nn.Module]:
 
 class AdaptedLinears:
     """The joined weights of one model's plain LoRA layers, and the forwards that use them (see
-    the module docstring). `packs` packs the joined weights for decode widths (None: plain
-    `F.linear`); the rank-r product x A^T of decode widths runs in float32."""
+    the module docstring). `packs` packs the joined weights (None: plain `F.linear` on a joined
+    copy); the rank-r product x A^T of decode widths runs in float32."""
 
     def __init__(self, dtype: torch.dtype, packs: PackedLinears | None):
         self.dtype, self.packs = dtype, packs
@@ -153,7 +154,7 @@ class AdaptedLinears:
         else:  # prefill widths: the base dtype (float32's GEMM grows 4x slower by 512 rows)
             a = torch.nn.functional.linear(x, entry.wide_down)
         xa = torch.cat([x, a.to(x.dtype)], dim=-1)
-        if narrow and entry.joined_pack is not None:
+        if entry.joined_pack is not None:  # every width: the plain joined copy is not kept (module docstring)
             return packed_matmul(xa, entry.joined_pack)
         return torch.nn.functional.linear(xa, entry.joined.weight)
 
@@ -199,6 +200,8 @@ class _Joined:
         self.joined = _frozen_linear(torch.cat([w, (b.float() * scaling).to(w.dtype)], dim=1))  # [W | s B]
         # packed once here: the weights above never change (new ones make a new _Joined)
         self.joined_pack = adapted.packs.pack_of(self.joined) if adapted.packs is not None else None
+        if self.joined_pack is not None:  # the pack serves every width: the plain copy is freed (its
+            self.joined.weight.data = self.joined.weight.data.new_empty(0)  # module stays, keying the pack)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.dtype != self.dtype or torch.is_grad_enabled():
