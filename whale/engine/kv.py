@@ -163,6 +163,7 @@ class KVSlab:
             if live is not None:
                 layer[:, : live.shape[1], :, : live.shape[3]] = live
             layers.append(layer)
+        live = None  # the last old layer, freed before the scratch is made
         if grows:
             self.scratch = self._zeros(numel, dtype)
         self.layers = layers
