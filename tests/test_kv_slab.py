@@ -1,7 +1,6 @@
 """The KV slab (engine/kv.py): it grows a layer at a time, never holding two slabs, and keeps its
 storage across clears on CPU with the shapes and samples of a fresh slab."""
 
-import time
 import weakref
 
 import torch
@@ -9,6 +8,7 @@ import torch
 from whale.engine.base import GenerationRequest, SamplingParams
 from whale.engine.hf import HFEngine
 from whale.engine.kv import KVSlab
+from tests.test_engine_batching import wait_for
 
 GROWTH = [(3, 40), (5, 40), (9, 70), (9, 130), (14, 130)]  # (rows, cols) a batch asks for, in order
 SAMPLE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_tokens=20)
@@ -98,13 +98,6 @@ def test_a_growth_holds_the_slab_and_one_layer_never_two_slabs():
     slab.reserve(12, 600)
     assert slab.fresh_bytes == fresh and float(slab.layers[2][1, 7, 1, 599, 3]) == 7.0
     assert tuple(slab.layers[2].shape) == (2, 12, 2, 640, 8)
-
-
-def wait_for(condition, timeout=60.0):
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.002)
 
 
 def run(engine, prompts):
