@@ -96,3 +96,33 @@ def test_the_memory_probe_writes_a_row_per_event_with_the_process_and_its_childr
     assert [(r["event"], r["unit"], r["t"]) for r in rows] == [("eval", "eval-initial-val", 1.2), ("weight_step", "w0", 4.6)]
     assert all(r["pss"] > 0 and r["peak_rss"] > 0 and r["threads"] >= 1 for r in rows)
     assert sum(rows[0]["children_pss"].values()) > 0  # the child python process is counted
+
+
+# In a fresh process: a freed 12 MiB block raises glibc's dynamic mmap threshold, so an 8 MiB block
+# after it comes from the heap (where a freed one stays); with the threshold fixed it is mapped.
+MAPPED = """
+import ctypes, ctypes.util, sys
+from whale import sysmem
+if sys.argv[1] == "fixed":
+    assert sysmem.map_large_blocks()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(12 << 20))
+before = sysmem.heap_stats()["mmap_mib"]
+block = libc.malloc(8 << 20)
+print(sysmem.heap_stats()["mmap_mib"] - before)
+"""
+
+
+@pytest.mark.skipif(sysmem._mallopt() is None or not sysmem.heap_stats(), reason="needs glibc's mallopt, mallinfo2")
+@pytest.mark.parametrize("mode, mapped_mib", [("dynamic", 0), ("fixed", 8)])
+def test_large_blocks_are_mapped_once_the_threshold_is_fixed(mode, mapped_mib, monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    out = subprocess.run([sys.executable, "-c", MAPPED, mode], capture_output=True, text=True, check=True).stdout
+    assert int(out) == mapped_mib
+
+
+def test_the_users_own_threshold_wins(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert sysmem.map_large_blocks() is False

@@ -28,6 +28,7 @@ from whale.engine.default_model import is_default_model
 from whale.errors import describe, exit_code, resumable, write_log
 from whale.harness.archive import Archive
 from whale.harness.validate import static_check, validate_candidate
+from whale.sysmem import map_large_blocks
 
 # Commands import what loads torch or matplotlib (evaluate, run, report, compare, matrix) inside
 # themselves: `whale --help` and `whale config` stay light, and torch comes after these settings.
@@ -35,6 +36,7 @@ from whale.harness.validate import static_check, validate_candidate
 # sandboxed episodes and graders share the cores (measured on 2 cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+map_large_blocks()  # freed activations go back to the OS at once, not into a fragmented heap (sysmem.py)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers 5 deprecation noise
 
 # The run directory the command works in, for its error.log and the `--resume` hint (see _Commands).
