@@ -18,28 +18,28 @@ import functools
 import os
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
+@functools.lru_cache(maxsize=None)
+def _libc(name: str, argtypes: tuple, restype):
+    """The C library's function `name`, typed; None where it has none (not glibc: macOS, musl; or
+    an older glibc)."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), name)
+    except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def _malloc_trim():
+    return _libc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MMAP_THRESHOLD_BYTES = 4 << 20
 
 
-@functools.lru_cache(maxsize=1)
 def _mallopt():
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _libc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
 
 
 def map_large_blocks(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -74,14 +74,8 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-@functools.lru_cache(maxsize=1)
 def _mallinfo2():
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None).mallinfo2
-    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
-        return None
-    fn.argtypes, fn.restype = [], _MallInfo2
-    return fn
+    return _libc("mallinfo2", (), _MallInfo2)  # glibc >= 2.33
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:
