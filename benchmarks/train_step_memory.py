@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def one(rows_path: str, overrides: list[str]) -> dict:
     from whale.config import load_config
     from whale.engine.hf import HFEngine
-    from whale.sysmem import peak_rss_kb
+    from whale.sysmem import map_large_blocks, peak_rss_kb
     from whale.weights.rows import load_rows
     from whale.weights.trainer import Trainer
 
+    map_large_blocks()  # as the CLI does at start (sysmem.py), so the step is measured as a run takes it
     cfg = load_config(ROOT / "configs" / "demo.yaml", overrides)
     engine = HFEngine(cfg.model.name, dtype=cfg.model.dtype, device="cpu")
     trainer = Trainer(engine.model, engine.tokenizer, cfg.weight, seed=cfg.seed)
