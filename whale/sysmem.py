@@ -13,7 +13,6 @@ that is in use, so calling it after each step costs a few milliseconds and chang
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -21,9 +20,10 @@ import os
 @functools.lru_cache(maxsize=None)
 def _libc(name: str, argtypes: tuple, restype):
     """The C library's function `name`, typed; None where it has none (not glibc: macOS, musl; or
-    an older glibc)."""
+    an older glibc). Looked up among the symbols the process already has (`CDLL(None)`): the CLI
+    calls this at start, and `ctypes.util.find_library` would run `ldconfig` (~13 ms) every time."""
     try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), name)
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = list(argtypes), restype
