@@ -1,5 +1,6 @@
 """release_free_memory gives freed heap pages back to the OS (the run's memory growth, sysmem.py)."""
 
+import os
 import subprocess
 import sys
 
@@ -126,3 +127,55 @@ def test_large_blocks_are_mapped_once_the_threshold_is_fixed(mode, mapped_mib, m
 def test_the_users_own_threshold_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert sysmem.map_large_blocks() is False
+
+
+# In a fresh process (the libraries read their cache bounds once, at their first kernel): bf16 GEMMs
+# of 100 shapes not seen before, and the heap in use they leave behind.
+KERNEL_SHAPES = """
+import sys
+from whale import sysmem
+if sys.argv[1] == "bounded":
+    sysmem.bound_kernel_caches(8)
+import torch
+torch.set_num_threads(1)
+lin = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
+def in_use():
+    sysmem.release_free_memory()
+    heap = sysmem.heap_stats()
+    return heap["heap_mib"] - heap["heap_free_mib"]
+with torch.no_grad():
+    for m in range(65, 80):
+        lin(torch.randn(m, 256, dtype=torch.bfloat16))
+    before = in_use()
+    for m in range(100, 400, 3):
+        lin(torch.randn(m, 256, dtype=torch.bfloat16))
+print(in_use() - before)
+"""
+
+
+def _onednn_bf16() -> bool:
+    import torch
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.skipif(not sysmem.heap_stats() or not _onednn_bf16(), reason="needs glibc's mallinfo2 and oneDNN bf16")
+def test_bounded_kernel_caches_stop_the_heap_growing_with_new_gemm_shapes(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    grown = {mode: int(subprocess.run([sys.executable, "-c", KERNEL_SHAPES, mode], capture_output=True, text=True,
+                                      check=True).stdout)
+             for mode in ("default", "bounded")}
+    assert grown["default"] >= 20, grown  # the libraries' default: an entry per shape, up to 1,024
+    assert grown["bounded"] <= 4, grown
+
+
+def test_the_users_own_kernel_cache_bounds_win(monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    sysmem.bound_kernel_caches(8)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512" and os.environ["LRU_CACHE_CAPACITY"] == "8"
+    with pytest.raises(ValueError, match=">= 1"):
+        sysmem.bound_kernel_caches(0)

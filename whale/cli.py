@@ -28,7 +28,7 @@ from whale.engine.default_model import is_default_model
 from whale.errors import describe, exit_code, resumable, write_log
 from whale.harness.archive import Archive
 from whale.harness.validate import static_check, validate_candidate
-from whale.sysmem import map_large_blocks
+from whale.sysmem import bound_kernel_caches, map_large_blocks
 
 # Commands import what loads torch or matplotlib (evaluate, run, report, compare, matrix) inside
 # themselves: `whale --help` and `whale config` stay light, and torch comes after these settings.
@@ -37,6 +37,7 @@ from whale.sysmem import map_large_blocks
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 map_large_blocks()  # freed activations go back to the OS at once, not into a fragmented heap (sysmem.py)
+bound_kernel_caches()  # compiled kernels kept per GEMM shape: a bounded number, not 1,024 (sysmem.py)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers 5 deprecation noise
 
 # The run directory the command works in, for its error.log and the `--resume` hint (see _Commands).

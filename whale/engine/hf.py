@@ -49,7 +49,7 @@ from whale.engine.packed import available as packs_available
 from whale.engine.scheduler import Scheduler
 from whale.engine.toolcalls import parse_tool_calls
 from whale.errors import EngineStartError
-from whale.sysmem import release_free_memory
+from whale.sysmem import bound_kernel_caches, release_free_memory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -156,6 +156,8 @@ class HFEngine:
             usable = usable_cores()
             if torch.get_num_threads() > usable:
                 torch.set_num_threads(usable)
+        if self.device.type == "cpu":
+            bound_kernel_caches()  # unless a GEMM ran before in this process (sysmem.py; the CLI sets it first)
         # the engine thread's intra-op threads, read at every step (OpenMP's count is per thread)
         self.cpu_threads = engine_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.path = resolve_model_path(name_or_path)
