@@ -50,9 +50,9 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
     micro-batch) adds entries to both, kept until each holds 1,024, so a run's resident memory grew
     with the shapes it met: 240 forwards of distinct lengths on SmolLM2-135M (bf16) left +557 MiB
     of heap in use, +255 with oneDNN's cache off, none with both bounded (2026-12-07, AMD EPYC);
-    the demo's first test evaluation peaked 0.94x lower at 64 entries. With no cache at all the
-    kernels are compiled again at every call (that evaluation took 1.28x the CPU); the decode steps'
-    few shapes recur and stay within a small bound (64: the same CPU). Read by the libraries once,
+    the demo's first test evaluation peaked ~140 MiB lower (0.93x) at 64 entries, with the same CPU.
+    With no cache at all the kernels are compiled again at every call (that evaluation took 1.2-1.3x
+    the CPU); the decode steps' few shapes recur and stay cached within a small bound. Read by the libraries once,
     at their first kernel: the CLI calls this at start, before torch is imported. ideep's capacity
     0 crashes (torch 2.13), hence at least 1."""
     if entries < 1:
