@@ -52,9 +52,9 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> None:
     of heap in use, +255 with oneDNN's cache off, none with both bounded (2026-12-07, AMD EPYC);
     the demo's first test evaluation peaked ~140 MiB lower (0.93x) at 64 entries, with the same CPU.
     With no cache at all the kernels are compiled again at every call (that evaluation took 1.2-1.3x
-    the CPU); the decode steps' few shapes recur and stay cached within a small bound. Read by the libraries once,
-    at their first kernel: the CLI calls this at start, before torch is imported. ideep's capacity
-    0 crashes (torch 2.13), hence at least 1."""
+    the CPU); the decode steps' few shapes recur and stay cached within a small bound. Read by the
+    libraries once, at their first kernel: the CLI calls this at start, before torch is imported.
+    ideep's capacity 0 crashes (torch 2.13), hence at least 1."""
     if entries < 1:
         raise ValueError(f"kernel cache entries must be >= 1, got {entries}")
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
