@@ -99,8 +99,9 @@ def test_the_memory_probe_writes_a_row_per_event_with_the_process_and_its_childr
     assert sum(rows[0]["children_pss"].values()) > 0  # the child python process is counted
 
 
-# In a fresh process: a freed 12 MiB block raises glibc's dynamic mmap threshold, so an 8 MiB block
-# after it comes from the heap (where a freed one stays); with the threshold fixed it is mapped.
+# In a fresh process: a freed 12 MiB block raises glibc's dynamic mmap threshold, so a block of 2 or
+# 8 MiB after it comes from the heap (where a freed one stays); with the threshold fixed both are
+# mapped (2 MiB: the sizes that fragmented a float32 training step's heap under a 4 MiB threshold).
 MAPPED = """
 import ctypes, ctypes.util, sys
 from whale import sysmem
@@ -111,17 +112,19 @@ libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.free(libc.malloc(12 << 20))
 before = sysmem.heap_stats()["mmap_mib"]
-block = libc.malloc(8 << 20)
+block = libc.malloc(int(sys.argv[2]) << 20)
 print(sysmem.heap_stats()["mmap_mib"] - before)
 """
 
 
 @pytest.mark.skipif(sysmem._mallopt() is None or not sysmem.heap_stats(), reason="needs glibc's mallopt, mallinfo2")
-@pytest.mark.parametrize("mode, mapped_mib", [("dynamic", 0), ("fixed", 8)])
-def test_large_blocks_are_mapped_once_the_threshold_is_fixed(mode, mapped_mib, monkeypatch):
+@pytest.mark.parametrize("block_mib", [2, 8])
+@pytest.mark.parametrize("mode", ["dynamic", "fixed"])
+def test_large_blocks_are_mapped_once_the_threshold_is_fixed(mode, block_mib, monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    out = subprocess.run([sys.executable, "-c", MAPPED, mode], capture_output=True, text=True, check=True).stdout
-    assert int(out) == mapped_mib
+    out = subprocess.run([sys.executable, "-c", MAPPED, mode, str(block_mib)], capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out) == (block_mib if mode == "fixed" else 0)
 
 
 def test_the_users_own_threshold_wins(monkeypatch):
@@ -179,3 +182,19 @@ def test_the_users_own_kernel_cache_bounds_win(monkeypatch):
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512" and os.environ["LRU_CACHE_CAPACITY"] == "8"
     with pytest.raises(ValueError, match=">= 1"):
         sysmem.bound_kernel_caches(0)
+
+
+@pytest.mark.skipif(not sysmem.heap_stats(), reason="needs glibc's mallinfo2")
+def test_heap_bytes_counts_a_block_while_it_is_held():
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    before, _ = sysmem.heap_bytes()
+    block = libc.malloc(3 << 20)
+    held, _ = sysmem.heap_bytes()
+    libc.free(block)
+    after, _ = sysmem.heap_bytes()
+    assert held - before >= 3 << 20 and held - after >= 3 << 20  # counted while held, not after

@@ -35,7 +35,7 @@ def _malloc_trim():
 
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD_BYTES = 4 << 20
+MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 KERNEL_CACHE_ENTRIES = 64
@@ -70,12 +70,15 @@ def map_large_blocks(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     that size goes back to the OS at once; True if set. The user's `MALLOC_MMAP_THRESHOLD_` wins.
 
     Why: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), and
-    from then on a training step's 4-16 MiB activations come from the heap, where freed blocks are
-    reused poorly: one forward and backward of 4 rows x 500 tokens (SmolLM2-135M, float32, gradient
-    checkpointing) raised the resident size by 2.0-2.1 GiB while its live tensors never exceeded
-    0.46 GiB, which is what the same micro-batch took with this threshold fixed at 4 MiB
-    (2026-12-07, AMD EPYC; 16 MiB or one arena changed nothing). The cost is page faults on fresh
-    mappings. Set once at start (the CLI does), before the large allocations."""
+    from then on a training step's activations come from the heap, where freed blocks are reused
+    poorly. One RSFT step of 8 search-QA rows (SmolLM2-135M, float32, LoRA, gradient checkpointing;
+    live tensors never more than +0.27 GiB over the loaded model) raised the resident size by
+    +1.5 GiB with the threshold at 4 MiB - the heap grew to 2.0 GiB with 1.35 GiB of it free - and by
+    +0.39 / +0.28 / +0.25 GiB at 2 MiB / 1 MiB / 256 KiB (about its live tensors), in about the same CPU time (2026-12-07,
+    AMD EPYC; trimming the heap after each micro-batch changed nothing: the waste builds up inside
+    one forward and backward). Left to itself glibc did worse still: +2.0 GiB for one micro-batch.
+    The cost is page faults on fresh mappings. Set once at start (the CLI does), before the large
+    allocations."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         return False
     fn = _mallopt()
@@ -157,3 +160,13 @@ def heap_stats() -> dict[str, int]:
     info = fn()
     mib = 1 << 20
     return {"heap_mib": info.arena // mib, "heap_free_mib": info.fordblks // mib, "mmap_mib": info.hblkhd // mib}
+
+
+def heap_bytes() -> tuple[int, int]:
+    """(bytes glibc has handed out and not had back - heap in use plus blocks mapped on their own,
+    bytes its heap holds free), from mallinfo2; (0, 0) elsewhere. Cheap enough to sample every few ms."""
+    fn = _mallinfo2()
+    if fn is None:
+        return 0, 0
+    info = fn()
+    return info.uordblks + info.hblkhd, info.fordblks
