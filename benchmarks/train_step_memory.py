@@ -103,7 +103,7 @@ def main() -> None:
         print(json.dumps(one(args.rows, args.overrides)))
         return
     if bool(args.rows) == bool(args.synthetic):
-        ap.error("give a rows file or --synthetic N, not both")
+        ap.error("give one of: a rows file, --synthetic N")
     rows = args.rows
     if args.synthetic:
         rows = str(Path(tempfile.mkdtemp(prefix="whale-rows-")) / "rows.jsonl")
@@ -118,7 +118,8 @@ def main() -> None:
             if ckpt is not None:
                 sets += ["--set", f"weight.gradient_checkpointing={ckpt}"]
             cmd = [sys.executable, __file__, rows, "--one", *sets]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+            run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            out = run.stdout.strip().splitlines()[-1]
             name = f"mmap threshold {'default' if kib is None else f'{kib} KiB'}" + (
                 f", gradient_checkpointing={ckpt}" if ckpt else "")
             print(f"{name}: {out}", flush=True)

@@ -71,12 +71,12 @@ def map_large_blocks(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 
     Why: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), and
     from then on a training step's activations come from the heap, where freed blocks are reused
-    poorly. One RSFT step of 8 search-QA rows (SmolLM2-135M, float32, LoRA, gradient checkpointing;
-    live tensors never more than +0.27 GiB over the loaded model) raised the resident size by
-    +1.5 GiB with the threshold at 4 MiB - the heap grew to 2.0 GiB with 1.35 GiB of it free - and by
-    +0.39 / +0.28 / +0.25 GiB at 2 MiB / 1 MiB / 256 KiB (about its live tensors), in about the same CPU time (2026-12-07,
-    AMD EPYC; trimming the heap after each micro-batch changed nothing: the waste builds up inside
-    one forward and backward). Left to itself glibc did worse still: +2.0 GiB for one micro-batch.
+    poorly (+2.0 GiB for one float32 micro-batch). A fixed 4 MiB was not low enough: one RSFT step of
+    8 search-QA rows (SmolLM2-135M, float32, LoRA, gradient checkpointing; live tensors never more
+    than +0.27 GiB over the loaded model) still raised the resident size by 1.5 GiB - the heap grew
+    to 2.0 GiB, 1.35 GiB of it free, from blocks of 1-4 MiB - and by 0.39 / 0.28 / 0.25 GiB with
+    2 MiB / 1 MiB / 256 KiB, in about the same CPU time (2026-12-07, AMD EPYC; trimming the heap
+    after each micro-batch changed nothing: the waste builds up inside one forward and backward).
     The cost is page faults on fresh mappings. Set once at start (the CLI does), before the large
     allocations."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
