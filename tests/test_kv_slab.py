@@ -146,3 +146,19 @@ def test_a_bounded_slab_grows_only_to_what_is_asked_and_keeps_at_most_its_bound(
             slab.clear()
             assert slab.storage_bytes == 0  # buffers past the bound are not kept
     assert shapes == {"bounded": (2, 2, 9, 2, 64, 8), "unbounded": (2, 2, 12, 2, 64, 8)}
+
+
+def test_spare_rows_of_a_narrower_batch_give_way_to_columns_within_the_bound():
+    """Many short rows, then a few long ones: the rows not in use go, so the slab stays within its
+    bound (it used to keep the spare rows and grow the columns under them: 48 rows of short prompts
+    then 19 long ones held 2.5x the demo's bound in float32)."""
+    col_bytes = 2 * 2 * 2 * 8 * 4  # layers x (keys, values) x heads x dim x float32
+    bound = 12 * 128 * col_bytes
+    slab = KVSlab(2, torch.device("cpu"), max_bytes=bound)
+    slab.layer(0, torch.zeros(1, 2, 1, 8))
+    slab.reserve(12, 100)  # 12 rows x 128 columns: the bound
+    slab.layers[1][:, 2, :, :100] = 1.0  # row 2 stays in use, rows 3-11 have left
+    slab.reserve(3, 500)  # 3 rows of 512 columns fit the bound; 12 rows of 512 would be 4x it
+    assert whole(slab).shape[2] == 3 and whole(slab).shape[4] == 512
+    assert slab.nbytes <= bound and slab.storage_bytes <= bound + bound // 2
+    assert float(slab.layers[1][1, 2, 1, 99, 7]) == 1.0  # the row in use was copied over

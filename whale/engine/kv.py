@@ -132,7 +132,10 @@ class KVSlab:
         if self.max_bytes is not None and self.kind is not None:
             # growing by half past the bound: grow only to what is asked (columns stay whole 64s)
             if new_rows * new_cols * self.column_bytes > self.max_bytes:
-                new_rows = max(rows, self.rows)
+                # only the rows asked for are in use (rows are 0..rows-1): spare rows kept from an
+                # earlier, narrower batch go, or 48 rows of short prompts then 19 long ones held
+                # 48 rows x 448 columns, 2.5x the bound (float32 demo evaluation, 2026-12-08)
+                new_rows = rows
             if new_rows * new_cols * self.column_bytes > self.max_bytes:
                 new_cols = max(-(-cols // 64) * 64, self.cols)
         old = self.layers
@@ -154,7 +157,7 @@ class KVSlab:
         for index in range(self.n_layers):
             live = None
             if old is not None:  # dropped from the list, so each old buffer is freed once copied
-                live, old[index] = old[index], None
+                live, old[index] = old[index][:, : self.rows], None  # rows past the new count are not in use
             if grows:
                 self.buffers[index:index + 1] = [self._zeros(numel, dtype)]
             elif live is not None:  # re-laid in place: the live part goes out to the scratch first
