@@ -90,7 +90,12 @@ def process_name(pid: int) -> str:
 
 
 def test_scores(run_dir: Path) -> tuple[float | None, float | None]:
-    """The run's first and last test mean@k, from its metrics rows."""
+    """The run's first and last test mean@k, from its metrics rows; an evaluation's (`whale eval
+    --out`) mean@k twice, from its summary."""
+    summary = run_dir / "summary.json"
+    if summary.exists() and not (run_dir / "metrics.jsonl").exists():
+        score = json.loads(summary.read_text()).get("mean_at_k")
+        return score, score
     scores = []
     path = run_dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -107,9 +112,12 @@ def measure(code_root: Path, args: list[str], run_dir: Path, interval: float = 1
     shutil.rmtree(run_dir, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(code_root))
     argv = [sys.executable, "-c", CLI, *args, "--out", str(run_dir)]
+    # the command's output goes to a file beside its run folder: a pipe nobody reads until the end
+    # would stop the command once its progress lines filled the pipe's buffer
+    log_path = run_dir.with_name(run_dir.name + ".log")
+    log = log_path.open("w")
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=code_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(argv, cwd=code_root, env=env, stdout=log, stderr=subprocess.STDOUT)
     peak_pss = peak_rss = 0
     at_peak: dict[str, int] = {}
     timeline = []
@@ -127,10 +135,11 @@ def measure(code_root: Path, args: list[str], run_dir: Path, interval: float = 1
         peak_rss = max(peak_rss, sum(s[1] for s in sizes))
         time.sleep(interval)
     wall = time.perf_counter() - start
+    log.close()
     times = os.times()  # Popen reaped the child: its CPU and its reaped descendants' are in children_*
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed in {code_root} (exit {proc.returncode}): "
-                         f"{proc.stderr.read()[-2000:] if proc.stderr else ''}")
+                         f"{log_path.read_text(errors='replace')[-2000:]}")
     first, last = test_scores(run_dir)
     return {"wall_s": wall, "children_cpu_s": times.children_user + times.children_system,
             "peak_pss_mib": peak_pss / 1024, "peak_rss_mib": peak_rss / 1024, "test_first": first, "test_last": last,

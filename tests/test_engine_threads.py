@@ -1,5 +1,6 @@
-"""The hf engine's intra-op threads on CPU (`model.cpu_threads`): the usable cores but one unless
-told, and the engine thread's forwards really run on that count, whatever the calling thread has."""
+"""The hf engine's intra-op threads on CPU: decode steps on `model.cpu_threads` (the usable cores
+but one unless told), prefill forwards on `model.prefill_threads` (every usable core unless told),
+and the engine thread's forwards really run on those counts, whatever the calling thread has."""
 
 import threading
 
@@ -9,7 +10,7 @@ import torch
 from whale.config import ConfigError, load_config
 from whale.engine import hf
 from whale.engine.base import GenerationRequest, SamplingParams
-from whale.engine.hf import HFEngine, engine_cpu_threads
+from whale.engine.hf import HFEngine, engine_cpu_threads, engine_prefill_threads
 
 
 @pytest.mark.parametrize("cores,want", [(1, 1), (2, 1), (4, 3), (16, 15)])
@@ -33,26 +34,51 @@ def test_config_rejects_zero_threads():
         load_config(None, ["model.cpu_threads=0"])
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_engine_threads_forwards_run_on_its_count(tiny_model_dir, threads):
+@pytest.mark.parametrize("cores", [1, 2, 8])
+def test_prefill_takes_every_core_unless_told(monkeypatch, cores):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(hf, "usable_cores", lambda: cores)
+    assert engine_prefill_threads(None) == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert engine_prefill_threads(None) == 3
+    assert engine_prefill_threads(2) == 2  # the config over the environment
+    with pytest.raises(ValueError, match="prefill_threads"):
+        engine_prefill_threads(0)
+    with pytest.raises(ConfigError, match="prefill_threads"):
+        load_config(None, ["model.prefill_threads=0"])
+
+
+@pytest.mark.parametrize("decode,prefill", [(1, 2), (2, 1), (1, 1)])
+def test_the_engine_threads_forwards_run_on_their_counts(tiny_model_dir, decode, prefill):
     """OpenMP's thread count is per thread: setting it in the caller would not reach the engine's
-    own thread, so the engine sets it there; a forward hook sees what the model ran on."""
-    seen: list[tuple[str, int]] = []
+    own thread, so the engine sets it there, per forward: a prefill (many tokens per row) on
+    `prefill_threads`, a decode step (one token per row) on `cpu_threads`. A forward hook sees what
+    each forward ran on."""
+    seen: list[tuple[str, int, int]] = []  # (thread, tokens per row, OpenMP threads)
     main_threads = torch.get_num_threads()
-    engine = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=64, cpu_threads=threads)
+    engine = HFEngine(str(tiny_model_dir), dtype="float32", device="cpu", max_model_len=64, cpu_threads=decode,
+                      prefill_threads=prefill)
     hook = engine.model.register_forward_hook(
-        lambda *_: seen.append((threading.current_thread().name, torch.get_num_threads())))
-    other = 3 if threads != 3 else 2
+        lambda _m, _args, kwargs, _out: seen.append(
+            (threading.current_thread().name, kwargs["input_ids"].shape[1], torch.get_num_threads())),
+        with_kwargs=True)
+    other = 3
     torch.set_num_threads(other)  # the caller's count, which must not leak into the engine thread
     try:
         out = engine.generate([GenerationRequest([{"role": "user", "content": "hi"}], max_tokens=4, seed=1)],
                               SamplingParams(temperature=1.0, max_tokens=4))
-        assert out[0][0].completion_tokens > 0
-        assert seen and all(name == "whale-hf-scheduler" and n == threads for name, n in seen), seen
-        engine.cpu_threads = other  # read at every step
-        engine.generate([GenerationRequest([{"role": "user", "content": "ho"}], max_tokens=4, seed=2)],
+        assert out[0][0].completion_tokens > 1
+        assert {name for name, _, _ in seen} == {"whale-hf-scheduler"}, seen
+        prefills = [n for _, width, n in seen if width > 1]
+        decodes = [n for _, width, n in seen if width == 1]
+        assert prefills and decodes, seen
+        assert set(prefills) == {prefill} and set(decodes) == {decode}, seen
+        engine.cpu_threads, engine.prefill_threads = other, other + 1  # read at every step
+        seen.clear()
+        engine.generate([GenerationRequest([{"role": "user", "content": "ho there"}], max_tokens=4, seed=2)],
                         SamplingParams(temperature=1.0, max_tokens=4))
-        assert seen[-1] == ("whale-hf-scheduler", other)
+        assert {n for _, width, n in seen if width > 1} == {other + 1}, seen
+        assert {n for _, width, n in seen if width == 1} == {other}, seen
     finally:
         hook.remove()
         engine.close()

@@ -32,9 +32,10 @@ from whale.sysmem import bound_kernel_caches, map_large_blocks
 
 # Commands import what loads torch or matplotlib (evaluate, run, report, compare, matrix) inside
 # themselves: `whale --help` and `whale config` stay light, and torch comes after these settings.
-# Before torch is imported: busy-waiting OpenMP threads make generation 5-10x slower when the
-# sandboxed episodes and graders share the cores (measured on 2 cores).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to the library (spin briefly after a parallel region, then sleep):
+# the engine's prefill forwards run on every core and their many short parallel regions need the
+# brief spin (with OMP_WAIT_POLICY=PASSIVE the demo's evaluation on 2 threads ran no faster than on
+# one), while decode runs on one thread and leaves nothing spinning beside the sandboxes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 map_large_blocks()  # freed activations go back to the OS at once, not into a fragmented heap (sysmem.py)
 bound_kernel_caches()  # compiled kernels kept per GEMM shape: a bounded number, not 1,024 (sysmem.py)

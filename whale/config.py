@@ -47,8 +47,11 @@ class ModelConfig(_Strict):
                                   "for later prompts that extend them (an episode's next call, the samples of a "
                                   "problem); least recently used dropped first; 0: off")
     cpu_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
-                                    "forwards; empty: OMP_NUM_THREADS if set, else the usable cores but one (the "
+                                    "decode steps; empty: OMP_NUM_THREADS if set, else the usable cores but one (the "
                                     "runner, tools and sandboxes run on the rest; docs/design.md)")
+    prefill_threads: int | None = Field(None, ge=1, description="hf on CPU: intra-op threads of the engine's "
+                                        "prefill and choice-scoring forwards (GEMMs over many tokens, which split "
+                                        "across cores); empty: OMP_NUM_THREADS if set, else the usable cores")
     vllm_args: list[str] = Field(default_factory=list, description="vllm: extra `vllm serve` arguments")
     data_parallel_size: int = Field(1, ge=1, description="vllm: engine copies (one per GPU) behind the one server "
                                     "WHALE starts (`--data-parallel-size`); vLLM balances requests over them")

@@ -24,7 +24,7 @@ def make_engine(cfg: Config) -> Engine:
         return HFEngine(path, dtype=m.dtype, device=m.device,
                         max_batch_size=m.max_batch_size, max_model_len=m.max_model_len,
                         kv_cache_bytes=m.kv_cache_mib << 20, prefix_cache_bytes=m.prefix_cache_mib << 20,
-                        cpu_threads=m.cpu_threads)
+                        cpu_threads=m.cpu_threads, prefill_threads=m.prefill_threads)
     if m.backend == "vllm":
         from whale.engine.hf import resolve_device  # lazy: torch
         from whale.engine.vllm import VLLMEngine  # lazy: torch

@@ -10,7 +10,8 @@ scheduler's state stays in one place.
 Two forwards:
 - `prefill`: the prompt suffixes (and choice trees) of consecutive slab rows, padded to the
   longest (engine/prefill.py builds the inputs); on CPU in bfloat16 its attention is
-  matmul-softmax-matmul (engine/attention.py);
+  matmul-softmax-matmul (engine/attention.py), and it runs on the engine's prefill threads
+  (every core by default: engine/hf.py `engine_prefill_threads`);
 - `decode`: one token of every live row, its attention over the slab's live columns
   (engine/attention.py) on CPU.
 
@@ -21,7 +22,8 @@ On CPU in bfloat16 every forward runs its Linear layers of up to 64 rows on weig
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -43,12 +45,28 @@ class ModelHost(Protocol):
     cache_kwarg: str  # the forward argument that takes the KV cache
     device: torch.device
     dtype: torch.dtype
+    prefill_threads: int | None  # CPU: OpenMP threads of a prefill forward (None: leave the thread's)
     pad_id: int
     eos_ids: set[int]
     packed_linears: PackedLinears | None
     adapted_linears: AdaptedLinears | None
 
     def hit_stop(self, ids: list[int], stop: list[str], window: int) -> bool: ...
+
+
+@contextmanager
+def omp_threads(threads: int | None) -> Iterator[None]:
+    """Run the block on `threads` OpenMP threads (this thread's count: OpenMP keeps one per thread),
+    then go back to the count before; None leaves it."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Forwards:
@@ -72,7 +90,7 @@ class Forwards:
         rows = torch.arange(first, first + m).unsqueeze(-1).expand(m, width)
         view = self.slab.view(first, m, rows.to(dev), cols.to(dev), cols_needed)
         t0 = time.perf_counter()
-        with prefill_attention(self.host.model, enabled=dev.type == "cpu"):
+        with prefill_attention(self.host.model, enabled=dev.type == "cpu"), omp_threads(self.host.prefill_threads):
             logits = self.model_forward(view, input_ids=ids.to(dev), attention_mask=self._mask(mask.to(dev)),
                                         position_ids=pos.to(dev), logits_to_keep=keep)
         seqs = [(j, it) for j, it in enumerate(chunk) if isinstance(it, Seq)]

@@ -107,13 +107,32 @@ def engine_cpu_threads(requested: int | None) -> int:
     sandboxed harnesses and the graders run beside the engine. On 2 cores, two OpenMP threads in
     the engine wait on the core those hold, and `whale demo` took 5:38-6:14 against 4:10-4:57 with
     one (docs/performance.md)."""
+    return _threads("cpu_threads", requested, usable_cores() - 1)
+
+
+def engine_prefill_threads(requested: int | None) -> int:
+    """Intra-op threads for the engine's prefill and choice-scoring forwards on CPU: `requested`
+    (`model.prefill_threads`), else OMP_NUM_THREADS when the user set it, else every usable core.
+
+    Why more than decode's: a prefill forward is GEMMs over hundreds of tokens, which split across
+    cores (a 128 x 576 x 1536 float32 GEMM ran 1.9x faster on 2 threads), and the runner has
+    little to do while it waits for the prompts it sent. A decode step's GEMMs of a few dozen
+    rows do not split well, and there the runner's core is worth more (engine_cpu_threads). On the
+    demo's first test evaluation (2-core AMD EPYC, float32) this took the wall from ~99 to ~82 s
+    (docs/performance.md)."""
+    return _threads("prefill_threads", requested, usable_cores())
+
+
+def _threads(key: str, requested: int | None, default: int) -> int:
+    """`requested` (the config's `model.<key>`), else OMP_NUM_THREADS when the user set it, else
+    `default`; at least one."""
     if requested is not None:
         if requested < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {requested}")
+            raise ValueError(f"{key} must be >= 1, got {requested}")
         return requested
     if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, usable_cores() - 1)
+    return max(1, default)
 
 
 class HFEngine:
@@ -141,6 +160,7 @@ class HFEngine:
         prefix_cache_bytes: int = 1 << 30,
         kv_cache_bytes: int | None = None,
         cpu_threads: int | None = None,
+        prefill_threads: int | None = None,
     ):
         if max_batch_size < 1 or max_model_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_model_len >= 2 "
@@ -160,6 +180,7 @@ class HFEngine:
             bound_kernel_caches()  # unless a GEMM ran before in this process (sysmem.py; the CLI sets it first)
         # the engine thread's intra-op threads, read at every step (OpenMP's count is per thread)
         self.cpu_threads = engine_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
+        self.prefill_threads = engine_prefill_threads(prefill_threads) if self.device.type == "cpu" else None
         self.path = resolve_model_path(name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
