@@ -100,7 +100,7 @@ def usable_cores() -> int:
 
 
 def engine_cpu_threads(requested: int | None) -> int:
-    """Intra-op threads for the engine's forwards on CPU: `requested` (`model.cpu_threads`), else
+    """Intra-op threads for the engine's decode steps on CPU: `requested` (`model.cpu_threads`), else
     OMP_NUM_THREADS when the user set it, else the usable cores but one, and at least one.
 
     Why not every core: the runner's threads (event loop, RPC, templating, tool calls), the
@@ -178,7 +178,7 @@ class HFEngine:
                 torch.set_num_threads(usable)
         if self.device.type == "cpu":
             bound_kernel_caches()  # unless a GEMM ran before in this process (sysmem.py; the CLI sets it first)
-        # the engine thread's intra-op threads, read at every step (OpenMP's count is per thread)
+        # the engine thread's intra-op threads (decode; prefill), read at every step (OpenMP's count is per thread)
         self.cpu_threads = engine_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.prefill_threads = engine_prefill_threads(prefill_threads) if self.device.type == "cpu" else None
         self.path = resolve_model_path(name_or_path)
